@@ -1,0 +1,138 @@
+"""`kiln bench serve | offline | one-batch`. Flag names follow SGLang's bench_serving where it has them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kiln.bench.serve import run_serve
+
+    record = run_serve(args)
+    return 0 if record["completed"] > 0 else 1
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from kiln.bench.offline import run_offline
+
+    run_offline(args)
+    return 0
+
+
+def _one_batch(args: argparse.Namespace) -> int:
+    from kiln.bench.offline import run_one_batch
+
+    run_one_batch(args)
+    return 0
+
+
+def _add_serve(sub: Any) -> None:
+    from kiln.bench.serve import BACKEND_ALIASES, ENDPOINTS
+
+    p = sub.add_parser("serve", help="stream a workload to a running server and report latency/throughput")
+    a = p.add_argument
+    a(
+        "--backend",
+        default="openai",
+        choices=[*ENDPOINTS, *BACKEND_ALIASES],
+        help="openai: /v1/completions; openai-chat: /v1/chat/completions; kiln: native /generate",
+    )
+    a("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:30000 (default: --host/--port)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--model", default=None, help="model name sent to OpenAI endpoints (default: the server's first)")
+    a("--tokenizer", default=None, help="HF dir or .gguf file (default: Kiln's default model)")
+    a("--dataset-name", default="random", choices=["random", "shared-prefix", "multi-turn", "jsonl"])
+    a("--dataset-path", default=None, help='jsonl: one {"prompt": str, "output_len": int} per line')
+    a("--num-prompts", type=int, default=1000, help="requests (multi-turn: conversations)")
+    a("--random-input-len", type=int, default=1024)
+    a("--random-output-len", type=int, default=1024)
+    a(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len * ratio, len]; 1.0 fixes them",
+    )
+    a("--num-turns", type=int, default=3, help="multi-turn: user turns per conversation")
+    a("--gsp-num-groups", type=int, default=64)
+    a("--gsp-prompts-per-group", type=int, default=16)
+    a("--gsp-system-prompt-len", type=int, default=2048)
+    a("--gsp-question-len", type=int, default=128)
+    a("--gsp-output-len", type=int, default=256)
+    a(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (inf: all at once)",
+    )
+    a("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    a("--seed", type=int, default=1)
+    a("--ignore-eos", action="store_true", help='send "ignore_eos": true so output lengths are fixed')
+    a("--extra-request-body", default=None, help="JSON object merged into every request body")
+    a("--warmup-requests", type=int, default=1)
+    a("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    a("--total-timeout", type=float, default=3600.0, help="seconds the whole run may take")
+    a("--output-json", default=None, help="append one JSON record per run to this file")
+    a("--disable-tqdm", action="store_true")
+    p.set_defaults(func=_serve)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None, help="HF dir or .gguf file (default: Kiln's default model)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="server argument for the in-process engine, repeatable (e.g. max_running_requests=64)",
+    )
+    p.add_argument("--output-json", default=None, help="append one JSON record per run to this file")
+
+
+def _add_offline(sub: Any) -> None:
+    p = sub.add_parser("offline", help="in-process engine on N random sequences: output tokens / wall time")
+    _add_engine_args(p)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-input-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=100)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_offline)
+
+
+def _add_one_batch(sub: Any) -> None:
+    p = sub.add_parser("one-batch", help="prefill latency and decode tok/s of one static batch")
+    _add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_one_batch)
+
+
+def register(subparsers: Any) -> None:
+    """Add `bench` (with serve, offline, one-batch) to an argparse subparsers object; each sets `func`."""
+    bench = subparsers.add_parser("bench", help="benchmarks: serve (any server), offline, one-batch")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,one-batch}", required=True)
+    _add_serve(sub)
+    _add_offline(sub)
+    _add_one_batch(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kiln.bench.cli serve ...` (the same as `kiln bench serve ...`)."""
+    parser = argparse.ArgumentParser(prog="kiln bench")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,offline,one-batch}", required=True)
+    _add_serve(sub)
+    _add_offline(sub)
+    _add_one_batch(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""ServerArgs: every flag of `kiln serve` as one frozen dataclass. Field `help` metadata is the CLI help;
+flag names and defaults follow SGLang's where it has them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str, **kw) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _f(
+        None, "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)"
+    )
+    tokenizer_path: str | None = _f(None, "tokenizer directory (default: the model path)")
+    served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model path)")
+    chat_template: str | None = _f(None, "a Jinja chat template file overriding the model's")
+    host: str = _f("127.0.0.1", "HTTP host")
+    port: int = _f(30000, "HTTP port")
+    device: str = _f("auto", "cpu | cuda | auto", choices=["auto", "cpu", "cuda"])
+    dtype: str = _f(
+        "auto",
+        "weight/activation dtype: auto (float32 on CPU) | float32 | bfloat16 | float16",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV cache dtype: auto (= dtype) | float32 | bfloat16 | float16",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    context_length: int | None = _f(None, "max tokens per request (default: the model's)")
+    mem_fraction_static: float | None = _f(
+        None, "fraction of device memory for weights + KV pool (default: chosen by the ledger)"
+    )
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides the memory fraction)")
+    max_running_requests: int | None = _f(None, "max requests decoding at once")
+    max_prefill_tokens: int = _f(16384, "token budget of one prefill batch")
+    chunked_prefill_size: int | None = _f(None, "max tokens of one prefill chunk; -1 disables chunking")
+    page_size: int = _f(1, "tokens per KV page")
+    schedule_policy: str = _f("fcfs", "fcfs | lpm (longest cached prefix first)", choices=["fcfs", "lpm"])
+    schedule_conservativeness: float = _f(1.0, "scales the decode-token reservation used for admission")
+    disable_radix_cache: bool = _f(False, "disable prefix reuse")
+    tp_size: int = _f(1, "tensor-parallel ranks")
+    random_seed: int | None = _f(None, "seed for requests without their own seed")
+    stream_interval: int = _f(1, "decode steps between streamed chunks")
+    decode_log_interval: int = _f(40, "decode steps between 'Decode batch' log lines")
+    skip_server_warmup: bool = _f(False, "mark ready without a warm-up request")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' (probes and /metrics stay open)")
+    max_queued_requests: int | None = _f(None, "waiting requests beyond which new ones get 429")
+    watchdog_timeout: float = _f(300.0, "seconds a forward step or startup phase may make no progress")
+    log_level: str = _f("info", "logging level")
+    log_requests: bool = _f(False, "log every request")
+    num_threads: int | None = _f(None, "torch CPU threads (default: all cores)")
+    # memory ledger inputs
+    device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")
+    host_memory: str | None = _f(None, "host RAM to plan for, e.g. 512GiB (default: probed)")
+    enable_hierarchical_cache: bool = _f(False, "keep evicted prefixes in a host-memory tier")
+    hicache_size: float = _f(0.0, "host tier size in GB per rank (overrides --hicache-ratio)")
+    hicache_ratio: float = _f(2.0, "host tier size as a multiple of the device KV pool")
+    cuda_graph_max_bs: int | None = _f(None, "largest decode batch captured as a graph")
+    disable_cuda_graph: bool = _f(False, "run every step eagerly")
+    startup_events: str | None = _f(None, "append startup phase transitions as JSON lines to this file")
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be >= 1")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static {self.mem_fraction_static} must be in (0, 1)")
+
+    def with_defaults(self) -> ServerArgs:
+        """Fill the model path with the default model when none was given."""
+        if self.model_path:
+            return self
+        from kiln.loader.default_model import default_model_path
+
+        return dataclasses.replace(self, model_path=default_model_path())
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name, "default": f.default}
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", **kw)
+                continue
+            typ = {"int | None": int, "int": int, "float": float, "float | None": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=typ, **kw)
+        parser.add_argument("--model", dest="model_path", help=argparse.SUPPRESS)
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,110 @@
+"""The in-process engine: the same scheduler as the server, driven synchronously. For tests, benchmarks and
+offline batches.
+
+    eng = kiln.Engine(model_path=..., max_total_tokens=4096)
+    eng.generate(["Hello"], {"max_new_tokens": 16, "temperature": 0})
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from kiln.config import ServerArgs
+from kiln.sampling_params import SamplingParams
+from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
+from kiln.scheduler.launch import build_engine
+
+_ids = itertools.count()
+
+
+def output_dict(rid: str, text: str, ids: list[int], last: ReqOutput, logprobs: list, t0: float) -> dict:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": last.finish_reason,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "cached_tokens": last.cached_tokens,
+        "num_retractions": last.num_retractions,
+        "e2e_latency": time.time() - t0,
+    }
+    if logprobs:
+        meta["output_token_logprobs"] = [(lp.logprob, lp.token_id) for lp in logprobs]
+        meta["output_top_logprobs"] = [lp.top for lp in logprobs]
+    if last.error:
+        meta["error"] = last.error
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+class Engine:
+    def __init__(self, **kwargs: Any):
+        self.parts = build_engine(ServerArgs(**kwargs))
+        self.scheduler = self.parts.scheduler
+        self.tokenizer = self.parts.tokenizer
+
+    def _run(self, reqs: list[GenerateReq]) -> dict[str, dict]:
+        acc = {r.rid: {"text": "", "ids": [], "logprobs": []} for r in reqs}
+        done: dict[str, dict] = {}
+        t0 = time.time()
+        for r in reqs:
+            self.scheduler.add_request(r)
+        while len(done) < len(reqs):
+            outs = self.scheduler.step()
+            if not outs and not self.scheduler.has_work:
+                break
+            for o in outs:
+                a = acc[o.rid]
+                a["text"] += o.text_delta
+                a["ids"].extend(o.new_ids)
+                a["logprobs"].extend(o.logprobs or [])
+                if o.finished:
+                    done[o.rid] = output_dict(o.rid, a["text"], a["ids"], o, a["logprobs"], t0)
+        return done
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+    ) -> dict | list[dict]:
+        single = isinstance(prompt, str) or (
+            input_ids is not None and input_ids and isinstance(input_ids[0], int)
+        )
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else prompt
+            ids_list = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            ids_list = [input_ids] if single else list(input_ids or [])
+        sp = sampling_params or {}
+        sps = sp if isinstance(sp, list) else [sp] * len(ids_list)
+        params = [SamplingParams(**p).normalize() for p in sps]
+        # n > 1: the prompt is prefilled once (a prefill-only request), then the samples share its KV
+        warm = [
+            GenerateReq(f"warm-{next(_ids)}", ids, SamplingParams(max_new_tokens=0))
+            for ids, p in zip(ids_list, params)
+            if p.n > 1
+        ]
+        if warm:
+            self._run(warm)
+        reqs, groups = [], []
+        for ids, p in zip(ids_list, params):
+            rids = []
+            for _ in range(p.n):
+                rid = f"req-{next(_ids)}"
+                reqs.append(GenerateReq(rid, list(ids), p))
+                rids.append(rid)
+            groups.append(rids)
+        done = self._run(reqs)
+        results = [done[rids[0]] if len(rids) == 1 else [done[r] for r in rids] for rids in groups]
+        return results[0] if single else results
+
+    def abort_all(self) -> None:
+        self.scheduler.abort(AbortReq(abort_all=True))
+        self.scheduler.step()
+
+    def check_integrity(self) -> dict:
+        return self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.scheduler = None  # type: ignore[assignment]

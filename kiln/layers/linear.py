@@ -1,0 +1,93 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader(param, loaded, shard_id=None)`
+that copies its own shard out of a full checkpoint tensor."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.distributed import all_reduce, divide, tp_rank, tp_size
+
+
+def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_per_rank = divide(out_features, tp_size())
+        self.weight = _param((self.out_per_rank, in_features), self.weight_loader)
+        self.bias = _param((self.out_per_rank,), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        shard = loaded.narrow(0, tp_rank() * self.out_per_rank, self.out_per_rank)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input stored as one matrix (gate_up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        assert shard_id is not None, "merged projections load one part at a time"
+        size = self.out_sizes[shard_id] // tp_size()
+        offset = sum(self.out_sizes[:shard_id]) // tp_size()
+        shard = loaded.narrow(0, tp_rank() * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one matrix; kv heads are replicated when tp_size > num_kv_heads."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.q_heads = divide(num_heads, tp)
+        self.kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        total = (self.q_heads + 2 * self.kv_heads) * head_dim * tp
+        super().__init__(hidden, total, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, tp_rank()
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, tp_rank() // self.kv_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across ranks; partial outputs are summed."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_per_rank = divide(in_features, tp_size())
+        self.weight = _param((out_features, self.in_per_rank), self.weight_loader)
+        self.bias = _param((out_features,), self._bias_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.narrow(1, tp_rank() * self.in_per_rank, self.in_per_rank))
+
+    @staticmethod
+    def _bias_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = all_reduce(y)
+        return y + self.bias if self.bias is not None else y

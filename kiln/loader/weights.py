@@ -1,0 +1,76 @@
+"""Checkpoint readers -> (name, tensor) streams -> each parameter's weight_loader.
+
+The model is built on `meta` (no memory), materialized empty on the target device, then filled tensor by
+tensor, so peak RAM stays near the model's own size."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+from tqdm import tqdm
+
+from kiln.models.config import ModelConfig
+from kiln.models.registry import model_class
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    bar = tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=len(files) < 2)
+    for path in bar:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if cfg.is_gguf:
+        from kiln.loader.gguf_loader import iter_gguf_tensors
+
+        return iter_gguf_tensors(cfg.model_path)
+    return iter_safetensors(cfg.model_path)
+
+
+def materialize(model: torch.nn.Module, device: str) -> None:
+    """Replace each `meta` parameter by an empty one on `device`, keeping its attributes (weight_loader)
+    and its sharing (tied embeddings)."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in done:
+                new = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+                new.__dict__.update(param.__dict__)
+                done[id(param)] = new
+            setattr(module, name, done[id(param)])
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int) -> torch.nn.Module:
+    """Build the model on meta, materialize it and load every weight; checks nothing was missed."""
+    t0 = time.perf_counter()
+    cls = model_class(cfg.architecture)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    materialize(model, device)
+    loaded = model.load_weights(iter_weights(cfg))
+    expected = {n for n, _ in model.named_parameters()}
+    missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(
+            f"checkpoint {cfg.model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+        )
+    model.init_buffers(max_positions, device)
+    model.eval()
+    model.load_seconds = time.perf_counter() - t0
+    return model

@@ -1,0 +1,39 @@
+"""The token -> KV pool: per layer, K and V rows indexed by token slot (slot 0's page is padding)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_tokens: int,
+        page_size: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_tokens = num_tokens
+        self.page_size = page_size
+        rows = num_tokens + page_size  # plus the reserved padding page
+        shape = (rows, kv_heads, head_dim)
+        # empty, not zeros: untouched pages cost no RAM until used; only the padding page is ever read unwritten
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k + self.v:
+            buf[:page_size].zero_()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+    @property
+    def k_bytes(self) -> int:
+        return sum(t.nbytes for t in self.k)
+
+    @property
+    def v_bytes(self) -> int:
+        return sum(t.nbytes for t in self.v)

@@ -1,0 +1,40 @@
+"""The request -> token-slot table: one row per running request, one column per token position."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """A fixed table ``req_to_token[size, max_context_len]`` (int64, so it indexes the KV pool directly)."""
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+        self.size = int(size)
+        self.max_context_len = int(max_context_len)
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros(
+            (self.size, self.max_context_len), dtype=torch.int64, device=self.device
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        """Mark every row free (row contents are left as they are)."""
+        self._free = list(range(self.size - 1, -1, -1))  # pop() hands out the lowest index first
+        self._in_use = [False] * self.size
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """A free row index, or None when the table is full."""
+        if not self._free:
+            return None
+        idx = self._free.pop()
+        self._in_use[idx] = True
+        return idx
+
+    def free(self, idx: int) -> None:
+        if not 0 <= idx < self.size or not self._in_use[idx]:
+            raise ValueError(f"request slot {idx} is not in use")
+        self._in_use[idx] = False
+        self._free.append(idx)

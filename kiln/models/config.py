@@ -1,0 +1,92 @@
+"""Model configuration resolved once from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def read_hf_config_dict(model_path: str) -> dict:
+    """The HF config dict of a model directory, a config.json file or a .gguf file (metadata only)."""
+    if model_path.endswith(".gguf"):
+        from kiln.loader.gguf_loader import read_gguf_config
+
+        return read_gguf_config(model_path)
+    path = model_path if model_path.endswith(".json") else os.path.join(model_path, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"--model-path {model_path!r}: no config.json (expected an HF model directory or a .gguf file)"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str
+    hf_config: Any  # a transformers PretrainedConfig
+    config_dict: dict
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    checkpoint_dtype: str
+    eos_token_ids: tuple[int, ...]
+    is_gguf: bool
+
+    @classmethod
+    def load(cls, model_path: str) -> ModelConfig:
+        from transformers import AutoConfig
+
+        d = read_hf_config_dict(model_path)
+        clean = {k: v for k, v in d.items() if not k.startswith("kiln_") and k != "model_type"}
+        hf = AutoConfig.for_model(d["model_type"], **clean)
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        ckpt_dtype = str(d.get("torch_dtype") or d.get("dtype") or "float32").replace("torch.", "")
+        return cls(
+            model_path=model_path,
+            hf_config=hf,
+            config_dict=d,
+            architecture=(d.get("architectures") or ["LlamaForCausalLM"])[0],
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=hf.vocab_size,
+            rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
+            checkpoint_dtype=ckpt_dtype if ckpt_dtype in _DTYPES else "float32",
+            eos_token_ids=eos_ids,
+            is_gguf=model_path.endswith(".gguf"),
+        )
+
+    def resolve_dtype(self, requested: str, device: str) -> torch.dtype:
+        """--dtype auto: float32 on CPU (fastest here, no AMX), the checkpoint's half type on CUDA."""
+        if requested != "auto":
+            return dtype_from_name(requested)
+        if device == "cpu":
+            return torch.float32
+        return torch.bfloat16 if self.checkpoint_dtype in ("bfloat16", "float32") else torch.float16

@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kiln.layers.activation import silu_and_mul
+from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kiln.layers.norm import RMSNorm
+from kiln.layers.rotary import RotaryEmbedding
+from kiln.models.config import ModelConfig
+from kiln.models.weight_utils import default_weight_loader
+from kiln.runner.forward_batch import ForwardBatch
+
+# checkpoint name fragment -> (merged parameter name fragment, shard id)
+STACKED_PARAMS = [
+    (".q_proj", ".qkv_proj", "q"),
+    (".k_proj", ".qkv_proj", "k"),
+    (".v_proj", ".qkv_proj", "v"),
+    (".gate_proj", ".gate_up_proj", 0),
+    (".up_proj", ".gate_up_proj", 1),
+]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        hf = cfg.hf_config
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        bias = bool(getattr(hf, "attention_bias", False)) or cfg.architecture.startswith("Qwen2")
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias
+        )
+        self.q_heads, self.kv_heads = self.qkv_proj.q_heads, self.qkv_proj.kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.architecture.startswith("Qwen3")
+        if self.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rotary, attn
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.q_heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = attn.forward(self.layer_id, q, k, v, fb, self.scale)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h: torch.Tensor, fb: ForwardBatch, rotary, attn) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), fb, rotary, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary: RotaryEmbedding | None = None
+        self.attn = None  # the attention backend, set by the model runner
+
+    def init_buffers(self, max_positions: int, device) -> None:
+        """Non-parameter state, built after the weights were materialized off `meta`."""
+        self.rotary = RotaryEmbedding(self.cfg.hf_config, max_positions).to(device)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h = self.model.embed_tokens(fb.input_ids)
+        for layer in self.model.layers:
+            h = layer(fb.positions, h, fb, self.rotary, self.attn)
+        h = self.model.norm(h[fb.logits_index])
+        return self.lm_head(h).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            shard_id = None
+            for ckpt, merged, sid in STACKED_PARAMS:
+                if ckpt in name:
+                    name, shard_id = name.replace(ckpt, merged), sid
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard_id)
+            loaded.add(name)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass

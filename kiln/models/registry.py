@@ -1,0 +1,20 @@
+"""Model classes keyed by the HF architecture name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kiln.models import llama
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": llama.LlamaForCausalLM,
+    "MistralForCausalLM": llama.MistralForCausalLM,
+    "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": llama.Qwen3ForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MODELS:
+        raise ValueError(f"architecture {architecture!r} is not supported; Kiln serves {sorted(MODELS)}")
+    return MODELS[architecture]

@@ -1,0 +1,134 @@
+"""Device detection and memory probing (cgroup-aware on the host)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import psutil
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Values at or above this are "no limit" (cgroup v1 reports ~2^63 rounded to the page size).
+_UNLIMITED = 1 << 60
+
+
+def detect_device() -> str:
+    """'cuda' when a CUDA device is usable, else 'cpu'."""
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # pragma: no cover - torch missing or broken
+        return "cpu"
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if 0 < value < _UNLIMITED else None
+
+
+def cgroup_limit_bytes(root: Path = _CGROUP_ROOT) -> int | None:
+    """Memory limit of this process's cgroup (v2 memory.max or v1 limit_in_bytes), None if unlimited."""
+    for name in ("memory.max", "memory/memory.limit_in_bytes", "memory.limit_in_bytes"):
+        value = _read_int(root / name)
+        if value is not None:
+            return value
+    return None
+
+
+def cgroup_usage_bytes(root: Path = _CGROUP_ROOT) -> int | None:
+    """Current memory usage of this process's cgroup, None if unknown."""
+    for name in ("memory.current", "memory/memory.usage_in_bytes", "memory.usage_in_bytes"):
+        value = _read_int(root / name)
+        if value is not None:
+            return value
+    return None
+
+
+def host_total_bytes(root: Path = _CGROUP_ROOT) -> int:
+    """System RAM, capped by the cgroup limit."""
+    total = int(psutil.virtual_memory().total)
+    limit = cgroup_limit_bytes(root)
+    return min(total, limit) if limit is not None else total
+
+
+def host_available_bytes(root: Path = _CGROUP_ROOT) -> int:
+    """System RAM available now, capped by what the cgroup still allows."""
+    avail = int(psutil.virtual_memory().available)
+    limit = cgroup_limit_bytes(root)
+    if limit is None:
+        return avail
+    usage = cgroup_usage_bytes(root) or 0
+    return max(0, min(avail, limit - usage))
+
+
+def total_memory_bytes(device: str) -> int:
+    """Total memory of the device ('cpu' means host RAM)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info()[1])
+    return host_total_bytes()
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory of the device now ('cpu' means host RAM)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    return host_available_bytes()
+
+
+def supports_graphs(device: str) -> bool:
+    """Whether graph capture (CUDA graphs) is available on this device."""
+    return device.startswith("cuda")
+
+
+def dist_backend(device: str) -> str:
+    """torch.distributed backend for this device."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '24GB', '1.5e9', '512MiB' -> bytes (GiB = 2^30, GB = 1e9). Raises ValueError."""
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 80GiB, 24GB, 512MiB, 1.5e9)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    if unit not in _UNITS:
+        raise ValueError(
+            f"unknown size unit {match.group(2)!r} in {text!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    value = int(round(number * _UNITS[unit]))
+    if value < 0:
+        raise ValueError(f"size must be >= 0: {text!r}")
+    return value

@@ -1,0 +1,84 @@
+"""Owns the model and its memory: weights, the KV pool, the request table, the allocator and the
+attention backend; runs one forward pass for a ForwardBatch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kiln.loader.weights import load_model
+from kiln.memory.allocator import TokenAllocator
+from kiln.memory.kv_pool import KVPool
+from kiln.memory.req_to_token import ReqToTokenPool
+from kiln.models.config import ModelConfig
+from kiln.runner.attention import TorchAttentionBackend
+from kiln.runner.forward_batch import ForwardBatch
+
+logger = logging.getLogger("kiln")
+GB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+    page_size: int
+
+
+def _avail_gb(device: str) -> float:
+    from kiln.platform import available_memory_bytes
+
+    return available_memory_bytes(device) / GB
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
+        self.model_config = model_config
+        self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, device
+        self.measured: dict[str, int] = {}
+
+    def load(self, max_positions: int) -> None:
+        before = _avail_gb(self.device)
+        logger.info(f"Load weight begin. avail mem={before:.2f} GB")
+        self.model = load_model(self.model_config, self.dtype, self.device, max_positions)
+        weight_bytes = sum(p.nbytes for p in {id(p): p for p in self.model.parameters()}.values())
+        self.measured["weights"] = weight_bytes
+        logger.info(
+            f"Load weight end. elapsed={self.model.load_seconds:.2f} s, type={self.model_config.architecture}, "
+            f"dtype={self.dtype}, avail mem={_avail_gb(self.device):.2f} GB, mem usage={weight_bytes / GB:.2f} GB."
+        )
+
+    def init_memory_pool(self, sizes: PoolSizes) -> None:
+        cfg = self.model_config
+        from kiln.distributed import tp_size
+
+        kv_heads = max(1, cfg.num_kv_heads // tp_size())
+        self.kv_pool = KVPool(
+            sizes.max_total_num_tokens,
+            sizes.page_size,
+            cfg.num_layers,
+            kv_heads,
+            cfg.head_dim,
+            self.kv_dtype,
+            self.device,
+        )
+        self.table = ReqToTokenPool(sizes.max_running_requests + 1, sizes.context_len + 8, self.device)
+        self.allocator = TokenAllocator(sizes.max_total_num_tokens, sizes.page_size, self.device)
+        self.model.attn = TorchAttentionBackend(self.kv_pool)
+        self.measured["kv_pool"] = self.kv_pool.k_bytes + self.kv_pool.v_bytes
+        self.measured["req_table"] = self.table.req_to_token.nbytes
+        logger.info(
+            f"KV Cache is allocated. dtype: {self.kv_dtype}, #tokens: {sizes.max_total_num_tokens}, "
+            f"K size: {self.kv_pool.k_bytes / GB:.2f} GB, V size: {self.kv_pool.v_bytes / GB:.2f} GB"
+        )
+        logger.info(f"Memory pool end. avail mem={_avail_gb(self.device):.2f} GB")
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.model(fb)
+        self.last_forward_seconds = time.perf_counter() - t0
+        return logits

@@ -1,0 +1,269 @@
+"""Token sampler: logit processing (bias, penalties, bans), greedy, temperature/top-k/top-p/min-p sampling.
+
+Order per row: logit_bias added; repetition penalty over prompt+output (positive logits divided, negative
+multiplied); frequency * count and presence * (count > 0) subtracted over output tokens; banned ids set to
+-inf. Greedy rows take the argmax of those processed logits. Sampled rows divide by temperature; top-k,
+top-p and min-p are independent masks over the full distribution (a token survives when it is in the k most
+likely, when the probability mass strictly before it is below top_p, and when its probability is at least
+min_p times the largest), then one token is drawn with the row's own generator.
+
+The draw is inverse-CDF sampling (one uniform from the row's generator, cumulative sum, binary search),
+which is a multinomial draw with one sample; on CPU it is ~25x cheaper than `torch.multinomial` over a
+49k vocabulary. Every step after the per-row uniform is row-local, so the same seed yields the same tokens
+whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kiln.sampling_params import SamplingParams
+
+__all__ = ["SamplingRow", "SampleOutput", "sample", "process_logits", "apply_penalties", "argmax_ids"]
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None  # per-request generator; None only for greedy rows
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    banned_ids: Sequence[int] = ()  # masked to -inf this step (EOS/stop ids while below min_new_tokens)
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def _wants_logprobs(p: SamplingParams) -> bool:
+    return bool(p.logprobs) or p.top_logprobs_num > 0
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    p = row.params
+    return bool(p.logit_bias) or p.needs_penalties or len(row.banned_ids) > 0
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    p = row.params
+    return p.is_greedy and not _needs_processing(row) and not _wants_logprobs(p)
+
+
+def argmax_ids(logits: torch.Tensor) -> list[int]:
+    """Row-wise argmax as a list; same result as `torch.argmax(logits, -1)` (first index on ties).
+
+    On CPU float32 numpy's argmax is used: it is ~10x faster than torch's here.
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
+def _ids(seq: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(seq, dtype=torch.long).reshape(-1).to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Apply repetition/frequency/presence penalties in place to contiguous logits [len(rows), V]; returns them."""
+    assert logits.is_contiguous() and logits.shape[0] == len(rows)
+    vocab, device = logits.shape[-1], logits.device
+    flat = logits.view(-1)
+    rep_idx: list[torch.Tensor] = []
+    out_idx: list[torch.Tensor] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0 and (len(row.prompt_ids) or len(row.output_ids)):
+            ids = torch.cat([_ids(row.prompt_ids, device), _ids(row.output_ids, device)])
+            rep_idx.append(ids + i * vocab)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(row.output_ids):
+            out_idx.append(_ids(row.output_ids, device) + i * vocab)
+    if rep_idx:
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype, device=device)
+        idx = torch.unique(torch.cat(rep_idx))
+        vals, factor = flat[idx], rep[idx // vocab]
+        flat[idx] = torch.where(vals > 0, vals / factor, vals * factor)
+    if out_idx:
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=device)
+        pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=device)
+        idx, counts = torch.unique(torch.cat(out_idx), return_counts=True)
+        owner = idx // vocab
+        flat[idx] -= freq[owner] * counts.to(logits.dtype) + pres[owner]
+    return logits
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """A processed copy of logits [len(rows), V]: logit_bias, then penalties, then banned ids -> -inf."""
+    out = logits.float().clone().contiguous()
+    vocab, device = out.shape[-1], out.device
+    flat = out.view(-1)
+    bias_idx: list[int] = []
+    bias_val: list[float] = []
+    ban_idx: list[torch.Tensor] = []
+    for i, row in enumerate(rows):
+        for tid, b in (row.params.logit_bias or {}).items():
+            bias_idx.append(i * vocab + int(tid))
+            bias_val.append(float(b))
+        if len(row.banned_ids):
+            ban_idx.append(_ids(row.banned_ids, device) + i * vocab)
+    if bias_idx:
+        idx = torch.tensor(bias_idx, dtype=torch.long, device=device)
+        flat.index_add_(0, idx, torch.tensor(bias_val, dtype=out.dtype, device=device))
+    if any(r.params.needs_penalties for r in rows):
+        apply_penalties(out, rows)
+    if ban_idx:
+        flat.index_fill_(0, torch.cat(ban_idx), float("-inf"))
+    return out
+
+
+def _uniform(row: SamplingRow) -> torch.Tensor:
+    """One U[0, 1) draw from the row's generator (the default one when it has none), as a CPU scalar."""
+    g = row.generator
+    if g is None:
+        return torch.rand(())
+    return torch.rand((), generator=g, device=g.device).cpu()
+
+
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: weights [N, L] (unnormalised, >= 0), u [N] uniforms -> positions [N]."""
+    cdf = weights.cumsum(-1)
+    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    pos = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return pos.clamp_(max=weights.shape[-1] - 1)
+
+
+def _draw_filtered(w: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> int:
+    """Draw one id from a row of weights w [V] (max exactly 1) under top-k/top-p/min-p."""
+    top_k = p.top_k if 0 < p.top_k < w.shape[0] else 0
+    thr = p.min_p
+    total = None
+    if p.top_p < 1.0:
+        total = w.sum()
+        # Tokens below (1 - top_p) / (2V) of the mass together hold < (1 - top_p) / 2: never in the nucleus.
+        thr = max(thr, float(total) * (1.0 - p.top_p) / (2 * w.shape[0]))
+    if thr > 0.0:
+        cand = torch.nonzero(w >= thr).squeeze(-1)
+        vals = w[cand]
+    else:
+        cand, vals = None, w
+    if top_k and vals.shape[0] > top_k:
+        vals, order = vals.topk(top_k)
+    else:
+        vals, order = vals.sort(descending=True)
+    ids = order if cand is None else cand[order]
+    if total is not None:
+        before = vals.cumsum(0) - vals
+        vals = vals[: max(1, int((before < p.top_p * total).sum()))]
+    pos = _draw(vals.unsqueeze(0), u.view(1))
+    return int(ids[pos[0]])
+
+
+TOPK_PROBE = 64  # candidates examined per row in the vectorised top-k/top-p/min-p path
+
+
+def _probe_width(p: SamplingParams, vocab: int) -> int:
+    """Candidates to take for a filtered row; depends only on the row (keeps seeds batch-independent)."""
+    k = p.top_k if 0 < p.top_k < vocab else 0
+    return min(vocab, k if TOPK_PROBE < k <= 16 * TOPK_PROBE else TOPK_PROBE)
+
+
+def _draw_probe(w: torch.Tensor, rows: list[SamplingRow], u: torch.Tensor, width: int) -> list[int | None]:
+    """Filtered draws over each row's `width` best candidates; None where the filters reach past them."""
+    dev, dt = w.device, w.dtype
+    vocab = w.shape[-1]
+    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dt, device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dt, device=dev)
+    vals, ids = w.topk(width, dim=-1)
+    mass = (w.sum(-1) * top_p).masked_fill_(top_p >= 1.0, float("inf")).unsqueeze(-1)
+    cum = vals.cumsum(-1)
+    keep = torch.arange(width, device=dev) < top_k.unsqueeze(-1)
+    keep &= (cum - vals) < mass
+    keep &= vals >= min_p.unsqueeze(-1)
+    keep[:, 0] = True
+    done = (top_k <= width) | (cum[:, -1] >= mass.squeeze(-1)) | (vals[:, -1] < min_p)
+    picked = ids.gather(1, _draw(vals * keep, u).unsqueeze(-1)).squeeze(-1)
+    return [tid if ok else None for tid, ok in zip(picked.tolist(), done.tolist(), strict=True)]
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Sample one id per row from processed logits [len(rows), V]."""
+    vocab, dev = logits.shape[-1], logits.device
+    temp = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
+    x = logits - logits.amax(-1, keepdim=True)
+    w = x.div_(temp.unsqueeze(-1)).exp_()  # unnormalised probs, max exactly 1
+    u = torch.stack([_uniform(r) for r in rows])
+    out: list[int | None] = [None] * len(rows)
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        p = r.params
+        plain = not (0 < p.top_k < vocab) and p.top_p >= 1.0 and p.min_p <= 0.0
+        groups.setdefault(0 if plain else _probe_width(p, vocab), []).append(i)
+    for width, idx in groups.items():
+        sel = torch.tensor(idx, device=dev)
+        if width == 0:
+            got = _draw(w[sel], u[sel]).tolist()
+        else:
+            got = _draw_probe(w[sel], [rows[i] for i in idx], u[sel], width)
+        for i, tid in zip(idx, got, strict=True):
+            out[i] = tid
+    for i, r in enumerate(rows):
+        if out[i] is None:  # the filters keep more than the probed candidates: exact per-row path
+            out[i] = _draw_filtered(w[i], r.params, u[i])
+    return out  # type: ignore[return-value]
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], chosen: list[int], out: SampleOutput
+) -> None:
+    lp = torch.log_softmax(logits[torch.tensor(idx, device=logits.device)].float(), dim=-1)
+    picked = lp.gather(1, torch.tensor([chosen[i] for i in idx], device=lp.device).unsqueeze(-1))
+    picked_list = picked.squeeze(-1).tolist()
+    n_max = max(rows[i].params.top_logprobs_num for i in idx)
+    top_v, top_i = lp.topk(n_max, dim=-1) if n_max > 0 else (None, None)
+    top_v_list = top_v.tolist() if top_v is not None else None
+    top_i_list = top_i.tolist() if top_i is not None else None
+    for j, i in enumerate(idx):
+        p = rows[i].params
+        if p.logprobs or p.top_logprobs_num > 0:
+            out.logprobs[i] = picked_list[j]
+        if p.top_logprobs_num > 0:
+            n = p.top_logprobs_num
+            out.top_logprobs[i] = list(zip(top_i_list[j][:n], top_v_list[j][:n], strict=True))
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+    """Pick one next token per row of logits [B, V]; see the module docstring for the semantics."""
+    n = len(rows)
+    assert logits.dim() == 2 and logits.shape[0] == n, (tuple(logits.shape), n)
+    if all(_is_plain_greedy(r) for r in rows):
+        return SampleOutput(argmax_ids(logits), [None] * n, [None] * n)
+    proc_idx = [i for i, r in enumerate(rows) if _needs_processing(r)]
+    processed = logits
+    if len(proc_idx) == n:
+        processed = process_logits(logits, rows)
+    elif proc_idx:
+        processed = logits.float().clone()
+        sel = torch.tensor(proc_idx, device=logits.device)
+        processed[sel] = process_logits(logits[sel], [rows[i] for i in proc_idx])
+    chosen = [0] * n
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if greedy:
+        rows_g = processed if len(greedy) == n else processed[torch.tensor(greedy, device=logits.device)]
+        for i, tid in zip(greedy, argmax_ids(rows_g), strict=True):
+            chosen[i] = tid
+    if sampled:
+        rows_s = processed[torch.tensor(sampled, device=logits.device)].float()
+        for i, tid in zip(sampled, _sample_rows(rows_s, [rows[i] for i in sampled]), strict=True):
+            chosen[i] = tid
+    out = SampleOutput(chosen, [None] * n, [None] * n)
+    lp_idx = [i for i, r in enumerate(rows) if _wants_logprobs(r.params)]
+    if lp_idx:
+        _logprobs(logits, rows, lp_idx, chosen, out)
+    return out

@@ -1,0 +1,56 @@
+"""Turn a list of requests into the tensors of one forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.memory.req_to_token import ReqToTokenPool
+from kiln.runner.forward_batch import ForwardBatch, ForwardMode
+from kiln.scheduler.req import Req
+
+
+def build_extend(reqs: list[Req], table: ReqToTokenPool) -> ForwardBatch:
+    """Each request computes tokens [kv_len, kv_len + extend_len) on top of its first kv_len."""
+    ids, pos, locs, slots, logits_rows = [], [], [], [], []
+    row = 0
+    for r in reqs:
+        start, ext = r.kv_len, r.extend_len
+        ids.extend(r.fill_ids[start : start + ext])
+        pos.append(torch.arange(start, start + ext))
+        seq = table.req_to_token[r.table_idx, : start + ext]
+        locs.append(seq[start:])
+        slots.append(seq)
+        row += ext
+        logits_rows.append(row - 1)
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.cat(pos),
+        out_cache_loc=torch.cat(locs),
+        logits_index=torch.tensor(logits_rows, dtype=torch.int64),
+        extend_lens=[r.extend_len for r in reqs],
+        prefix_lens=[r.kv_len for r in reqs],
+        seq_slots=slots,
+    )
+
+
+def build_decode(reqs: list[Req], table: ReqToTokenPool, new_slots: torch.Tensor) -> ForwardBatch:
+    """One token per request at position kv_len; its slot is already in the table."""
+    rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
+    seq_lens = torch.tensor([r.kv_len + 1 for r in reqs], dtype=torch.int64)
+    max_len = int(seq_lens.max())
+    kv_table = table.req_to_token[rows, :max_len]
+    mask = None
+    if int(seq_lens.min()) != max_len:
+        valid = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)
+        kv_table = kv_table.masked_fill(~valid, 0)
+        mask = valid.view(len(reqs), 1, 1, max_len)
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([r.last_token for r in reqs], dtype=torch.int64),
+        positions=seq_lens - 1,
+        out_cache_loc=new_slots,
+        logits_index=torch.arange(len(reqs)),
+        kv_table=kv_table,
+        kv_mask=mask,
+    )

@@ -1,0 +1,159 @@
+"""A request's KV slots over their lifetime: prefix match, allocation, caching, release, and the
+pool-wide integrity invariant (free + cached + in use == total)."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.memory.allocator import TokenAllocator
+from kiln.memory.prefix_cache import PrefixCache
+from kiln.memory.req_to_token import ReqToTokenPool
+from kiln.scheduler.req import Req
+
+
+class KVManager:
+    def __init__(
+        self, allocator: TokenAllocator, table: ReqToTokenPool, cache: PrefixCache, radix_enabled: bool
+    ):
+        self.allocator = allocator
+        self.table = table
+        self.cache = cache
+        self.radix_enabled = radix_enabled
+        self.page_size = allocator.page_size
+
+    # ---- capacity
+    def free_tokens(self) -> int:
+        return self.allocator.available_size()
+
+    def evictable_tokens(self) -> int:
+        return self.cache.evictable_size()
+
+    def ensure_free(self, n: int) -> bool:
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.available_size() >= n
+
+    def _pages(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    # ---- admission
+    def match(self, req: Req) -> int:
+        """Length of the cached prefix usable by req (at least its last token is always computed)."""
+        key = req.fill_ids[: req.seq_len - 1]
+        return int(self.cache.match_prefix(key).indices.numel()) if key else 0
+
+    def admit(self, req: Req, extend_len: int) -> bool:
+        """Take a table row, lock the cached prefix and allocate slots for the next extend_len tokens."""
+        if req.table_idx is None:
+            idx = self.table.alloc()
+            if idx is None:
+                return False
+            req.table_idx = idx
+            key = req.fill_ids[: req.seq_len - 1]
+            m = self.cache.match_prefix(key) if key else None
+            if m is not None and m.indices.numel():
+                n = int(m.indices.numel())
+                self.table.req_to_token[idx, :n] = m.indices
+                self.cache.lock(m.node)
+                req.node, req.cached_len, req.kv_len = m.node, n, n
+        if not self._alloc_extend(req, extend_len):
+            if req.kv_len == 0 or req.kv_len == req.cached_len:
+                self.release(req)
+            return False
+        return True
+
+    def _alloc_extend(self, req: Req, n: int) -> bool:
+        if not self.ensure_free(self._pages(req.kv_len + n) - self._pages(req.kv_len)):
+            return False
+        last = int(self.table.req_to_token[req.table_idx, req.kv_len - 1]) if req.kv_len else -1
+        slots = self.allocator.alloc_extend([req.kv_len], [last], [n])
+        if slots is None:
+            return False
+        self.table.req_to_token[req.table_idx, req.kv_len : req.kv_len + n] = slots
+        req.extend_len = n
+        return True
+
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot per request for its next token, written into its table row."""
+        if not self.ensure_free(len(reqs) * self.page_size):
+            return None
+        rows = torch.tensor([r.table_idx for r in reqs])
+        lens = [r.kv_len for r in reqs]
+        last = self.table.req_to_token[rows, torch.tensor(lens) - 1].tolist()
+        slots = self.allocator.alloc_decode(lens, last)
+        if slots is not None:
+            self.table.req_to_token[rows, torch.tensor(lens)] = slots
+        return slots
+
+    def decode_fits(self, n_reqs: int) -> bool:
+        return self.allocator.available_size() + self.cache.evictable_size() >= n_reqs * self.page_size
+
+    # ---- caching and release
+    def _slots(self, req: Req, n: int) -> torch.Tensor:
+        return self.table.req_to_token[req.table_idx, :n].clone()
+
+    def cache_unfinished(self, req: Req) -> None:
+        """After a chunk: publish the computed prefix so it is shared, and hold it locked."""
+        if not self.radix_enabled:
+            return
+        key = req.fill_ids[: req.kv_len]
+        slots = self._slots(req, req.kv_len)
+        already = self.cache.insert(key, slots)
+        if already > req.cached_len:
+            self.allocator.free(slots[req.cached_len : already])
+        m = self.cache.match_prefix(key)
+        n = int(m.indices.numel())
+        self.table.req_to_token[req.table_idx, :n] = m.indices
+        self.cache.lock(m.node)
+        if req.node is not None:
+            self.cache.unlock(req.node)
+        req.node, req.cached_len = m.node, n
+
+    def cache_finished(self, req: Req) -> None:
+        """At the end: hand the sequence's KV to the prefix cache, free the rest and the table row."""
+        if req.table_idx is None:
+            return
+        slots = self._slots(req, req.kv_len)
+        aligned = req.kv_len // self.page_size * self.page_size
+        already = self.cache.insert(req.fill_ids[: req.kv_len], slots)
+        if already > req.cached_len:
+            self.allocator.free(slots[req.cached_len : already])
+        if req.kv_len > aligned:
+            self.allocator.free(slots[aligned:])
+        self._drop(req)
+
+    def release(self, req: Req) -> None:
+        """Free the request's own slots without caching them (retraction, abort, failure)."""
+        if req.table_idx is None:
+            return
+        if req.kv_len > req.cached_len:
+            self.allocator.free(self._slots(req, req.kv_len)[req.cached_len :])
+        self._drop(req)
+
+    def _drop(self, req: Req) -> None:
+        if req.node is not None:
+            self.cache.unlock(req.node)
+        self.table.free(req.table_idx)
+        req.table_idx, req.node, req.cached_len, req.kv_len = None, None, 0, 0
+
+    def flush(self) -> None:
+        self.cache.reset()
+
+    # ---- invariant
+    def private_tokens(self, reqs: list[Req]) -> int:
+        return sum(self._pages(r.kv_len - r.cached_len) for r in reqs if r.table_idx is not None)
+
+    def integrity(self, live: list[Req]) -> dict:
+        free = self.allocator.available_size()
+        cached = self.cache.total_size()
+        in_use = self.private_tokens(live)
+        total = self.allocator.size
+        return {
+            "free": free,
+            "cached": cached,
+            "in_use": in_use,
+            "total": total,
+            "ok": free + cached + in_use == total
+            and self.table.available_size() + len(live) == self.table.size,
+        }

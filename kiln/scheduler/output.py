@@ -1,0 +1,79 @@
+"""After sampling: append the token, decide whether the request ended (EOS, stop ids, stop strings, length),
+and package what the client has not seen yet."""
+
+from __future__ import annotations
+
+from kiln.scheduler.io import ReqOutput, TokenLogprob
+from kiln.scheduler.req import Req
+
+
+class OutputProcessor:
+    def __init__(self, eos_ids: set[int], context_len: int, stream_interval: int):
+        self.eos_ids = eos_ids
+        self.context_len = context_len
+        self.stream_interval = max(1, stream_interval)
+
+    def _stop_ids(self, req: Req) -> set[int]:
+        ids = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            ids |= self.eos_ids
+        return ids
+
+    def banned_ids(self, req: Req) -> list[int]:
+        """EOS and stop ids may not end a request before min_new_tokens."""
+        if len(req.output_ids) >= req.params.min_new_tokens:
+            return []
+        return sorted(self._stop_ids(req) | self.eos_ids)
+
+    def append_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
+        req.output_ids.append(token)
+        req.pending_ids.append(token)
+        if logprob is not None:
+            req.pending_logprobs.append(TokenLogprob(token, logprob, top))
+        p = req.params
+        if token in self._stop_ids(req):
+            req.finish_reason = {"type": "stop", "matched": token}
+            req.pending_text += req.detok.flush()
+            return
+        text, matched = req.detok.add([token])
+        req.pending_text += text
+        if matched is not None:
+            req.finish_reason = {"type": "stop", "matched": matched}
+        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+        if req.finish_reason is not None and matched is None:
+            req.pending_text += req.detok.flush()
+
+    def should_stream(self, req: Req) -> bool:
+        return req.stream and len(req.pending_ids) >= self.stream_interval
+
+    def flush_output(self, req: Req) -> ReqOutput:
+        out = ReqOutput(
+            rid=req.rid,
+            new_ids=req.pending_ids,
+            text_delta=req.pending_text,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            logprobs=req.pending_logprobs or None,
+            num_retractions=req.num_retractions,
+            error=req.error,
+        )
+        req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
+        return out
+
+    @staticmethod
+    def error_output(rid: str, prompt_tokens: int, message: str) -> ReqOutput:
+        return ReqOutput(
+            rid=rid,
+            new_ids=[],
+            text_delta="",
+            finished=True,
+            finish_reason={"type": "abort", "message": message},
+            prompt_tokens=prompt_tokens,
+            completion_tokens=0,
+            cached_tokens=0,
+            error=message,
+        )

@@ -1,0 +1,74 @@
+"""One request's state inside the scheduler."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from kiln.sampling_params import SamplingParams
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        detokenizer,
+        generator: torch.Generator | None,
+        stream: bool = False,
+        deadline: float | None = None,
+    ):
+        self.rid = rid
+        self.input_ids = input_ids
+        self.params = params
+        self.detok = detokenizer
+        self.generator = generator
+        self.stream = stream
+        self.deadline = deadline
+        self.output_ids: list[int] = []
+        # KV bookkeeping: slots of tokens [0, kv_len) are in the request's table row; the first cached_len of
+        # them belong to the prefix cache (locked through `node`), the rest are the request's own.
+        self.table_idx: int | None = None
+        self.kv_len = 0
+        self.cached_len = 0
+        self.node: Any = None
+        self.extend_len = 0  # tokens computed in the current extend step
+        self.admitted = False
+        self.cached_tokens = 0  # prefix-cache hit at first admission (meta_info.cached_tokens)
+        self.num_retractions = 0
+        self.finish_reason: dict | None = None
+        self.error: str | None = None
+        self.created = time.time()
+        # outputs not yet sent
+        self.pending_ids: list[int] = []
+        self.pending_text = ""
+        self.pending_logprobs: list = []
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.input_ids[-1]
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.kv_len >= self.seq_len
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid}, in={len(self.input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"

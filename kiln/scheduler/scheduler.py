@@ -1,0 +1,335 @@
+"""The scheduler: continuous batching over the paged KV cache. Each step either prefills (admitted requests,
+long prompts in chunks, on top of their cached prefix) or decodes one token for every running request;
+when the pool runs dry during decode, requests are retracted to the queue and finish later."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+
+import torch
+
+from kiln.memory.prefix_cache import NoPrefixCache
+from kiln.memory.radix_cache import RadixCache
+from kiln.runner.model_runner import ModelRunner
+from kiln.runner.sampler import SamplingRow, sample
+from kiln.sampling_params import InvalidParam
+from kiln.scheduler.batch import build_decode, build_extend
+from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
+from kiln.scheduler.kv import KVManager
+from kiln.scheduler.output import OutputProcessor
+from kiln.scheduler.prefill import PrefillAdder
+from kiln.scheduler.req import Req
+from kiln.scheduler.validate import Limits, validate_request
+from kiln.server.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("kiln")
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer,
+        *,
+        max_total_num_tokens: int,
+        max_running_requests: int,
+        context_len: int,
+        chunked_prefill_size: int | None,
+        max_prefill_tokens: int,
+        page_size: int = 1,
+        disable_radix_cache: bool = False,
+        schedule_policy: str = "fcfs",
+        schedule_conservativeness: float = 1.0,
+        random_seed: int | None = None,
+        stream_interval: int = 1,
+        decode_log_interval: int = 40,
+    ):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        allocator = runner.allocator
+        cache = (
+            NoPrefixCache(allocator, page_size) if disable_radix_cache else RadixCache(allocator, page_size)
+        )
+        self.kv = KVManager(allocator, runner.table, cache, radix_enabled=not disable_radix_cache)
+        cfg = runner.model_config
+        self.limits = Limits(cfg.vocab_size, context_len, max_total_num_tokens)
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = (
+            chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        )
+        self.max_prefill_tokens = max_prefill_tokens
+        self.policy = schedule_policy
+        self.init_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * schedule_conservativeness)
+        self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio = self.init_ratio
+        self.seed_rng = random.Random(random_seed)
+        eos = set(cfg.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.out = OutputProcessor(eos, context_len, stream_interval)
+        self.decode_log_interval = decode_log_interval
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.reqs: dict[str, Req] = {}
+        self.outbox: list[ReqOutput] = []
+        self.last_was_prefill = False
+        self.stats = {
+            "decode_steps": 0,
+            "retracted": 0,
+            "aborted": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generation_tokens": 0,
+            "failed": 0,
+        }
+        self._decode_tokens_since_log = 0
+        self._decode_log_t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ requests in
+    def add_request(self, msg: GenerateReq) -> None:
+        p = msg.params
+        try:
+            validate_request(msg.input_ids, p, self.limits)
+        except InvalidParam as e:
+            self.outbox.append(self.out.error_output(msg.rid, len(msg.input_ids), f"{e.param}: {e}"))
+            return
+        gen = None
+        if not p.is_greedy:
+            gen = torch.Generator().manual_seed(
+                p.seed if p.seed is not None else self.seed_rng.getrandbits(63)
+            )
+        detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim)
+        req = Req(msg.rid, list(msg.input_ids), p, detok, gen, msg.stream, msg.deadline)
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self.stats["prompt_tokens"] += len(req.input_ids)
+
+    def abort(self, msg: AbortReq) -> None:
+        targets = (
+            list(self.reqs.values())
+            if msg.abort_all
+            else [self.reqs[msg.rid]]
+            if msg.rid in self.reqs
+            else []
+        )
+        for req in targets:
+            self._finish_abort(req, msg.message)
+
+    def _finish_abort(self, req: Req, message: str, error: str | None = None) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.kv.release(req)
+        req.finish_reason = {"type": "abort", "message": message}
+        req.error = error
+        self.stats["failed" if error else "aborted"] += 1
+        self._emit(req)
+
+    # ------------------------------------------------------------------ the loop
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def step(self) -> list[ReqOutput]:
+        """One scheduling iteration; returns the outputs it produced."""
+        self._expire_deadlines()
+        batch = None
+        if not (self.last_was_prefill and self.running):
+            batch = self._build_prefill()
+        if batch:
+            self._run_extend(batch)
+            self.last_was_prefill = True
+        elif self.running:
+            self._run_decode()
+            self.last_was_prefill = False
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for req in [r for r in self.reqs.values() if r.deadline is not None and now > r.deadline]:
+            self._finish_abort(req, "request timed out (--request-timeout)")
+
+    def _build_prefill(self) -> list[Req]:
+        if not self.waiting and self.chunked is None:
+            return []
+        adder = PrefillAdder(
+            self.kv,
+            self.running,
+            self.new_token_ratio,
+            self.max_prefill_tokens,
+            self.chunked_prefill_size,
+            self.max_running_requests,
+        )
+        if self.chunked is not None:
+            if not adder.add(self.chunked):
+                return []
+        if self.policy == "lpm" and len(self.waiting) <= 128:
+            self.waiting = deque(sorted(self.waiting, key=lambda r: -self.kv.match(r)))
+        while self.waiting and adder.budget.chunked is None:
+            if not adder.add(self.waiting[0]):
+                break
+            self.waiting.popleft()
+        self.chunked = adder.budget.chunked
+        return adder.budget.reqs
+
+    def _run_extend(self, reqs: list[Req]) -> None:
+        fb = build_extend(reqs, self.kv.table)
+        cached = sum(r.kv_len for r in reqs)
+        try:
+            logits = self.runner.forward(fb)
+        except Exception as e:  # one bad batch fails its requests, never the loop
+            self._fail_batch(reqs, e)
+            return
+        done, rows = [], []
+        for i, r in enumerate(reqs):
+            r.kv_len += r.extend_len
+            if r.prefill_done:
+                done.append(r)
+                rows.append(i)
+            else:
+                self.kv.cache_unfinished(r)
+        self._log_prefill(reqs, int(fb.input_ids.numel()), cached)
+        prefill_only = [r for r in done if r.params.max_new_tokens == 0]
+        for r in prefill_only:
+            r.finish_reason = {"type": "length", "length": 0}
+            self._finish(r)
+        sampled = [(r, i) for r, i in zip(done, rows) if r.params.max_new_tokens > 0]
+        if sampled:
+            self.running.extend(r for r, _ in sampled)
+            self._sample_and_process([r for r, _ in sampled], logits[[i for _, i in sampled]])
+
+    def _run_decode(self) -> None:
+        if not self.kv.decode_fits(len(self.running)):
+            self._retract()
+        slots = self.kv.alloc_decode(self.running)
+        if slots is None:
+            return
+        fb = build_decode(self.running, self.kv.table, slots)
+        try:
+            logits = self.runner.forward(fb)
+        except Exception as e:
+            self._fail_batch(list(self.running), e)
+            return
+        for r in self.running:
+            r.kv_len += 1
+        self.stats["decode_steps"] += 1
+        self.new_token_ratio = max(
+            self.min_ratio,
+            self.new_token_ratio - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
+        )
+        self._sample_and_process(list(self.running), logits)
+        self._log_decode(len(fb.logits_index))
+
+    def _retract(self) -> None:
+        """Free the KV of the requests with the least progress until one more decode step fits."""
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+        retracted = []
+        while not self.kv.decode_fits(len(self.running)) and len(self.running) > 1:
+            victim = order.pop(0)
+            self.running.remove(victim)
+            self.kv.release(victim)
+            victim.num_retractions += 1
+            retracted.append(victim)
+        for r in reversed(retracted):
+            self.waiting.appendleft(r)
+        if retracted:
+            self.stats["retracted"] += len(retracted)
+            old = self.new_token_ratio
+            decoded = sum(len(r.output_ids) for r in self.running)
+            budget = sum(r.params.max_new_tokens for r in self.running)
+            self.new_token_ratio = min(1.0, (decoded + 20 * len(self.running)) / (budget + 1))
+            logger.info(
+                f"KV cache pool is full. Retract requests. #retracted_reqs: {len(retracted)}, "
+                f"#new_token_ratio: {old:.4f} -> {self.new_token_ratio:.4f}"
+            )
+        if not self.kv.decode_fits(len(self.running)):
+            last = self.running[0]
+            self._finish_abort(
+                last, "Out of memory even after retracting all other requests in the decode batch."
+            )
+
+    def _sample_and_process(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        rows = [
+            SamplingRow(r.params, r.generator, r.input_ids, r.output_ids, self.out.banned_ids(r))
+            for r in reqs
+        ]
+        result = sample(logits, rows)
+        for i, r in enumerate(reqs):
+            self.out.append_token(r, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            self.stats["generation_tokens"] += 1
+            if r.finished:
+                self.running.remove(r)
+                self._finish(r)
+            elif self.out.should_stream(r):
+                self.outbox.append(self.out.flush_output(r))
+
+    def _finish(self, req: Req) -> None:
+        self.kv.cache_finished(req)
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        self.reqs.pop(req.rid, None)
+        self.stats["cached_tokens"] += req.cached_tokens
+        self.outbox.append(self.out.flush_output(req))
+
+    def _fail_batch(self, reqs: list[Req], exc: Exception) -> None:
+        logger.exception(f"forward failed for {len(reqs)} request(s): {exc!r}")
+        for r in reqs:
+            self._finish_abort(r, "internal error", error=f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ introspection
+    def _log_prefill(self, reqs: list[Req], new_tokens: int, cached: int) -> None:
+        logger.info(
+            f"Prefill batch, #new-seq: {len(reqs)}, #new-token: {new_tokens}, #cached-token: {cached}, "
+            f"token usage: {self.token_usage():.2f}, #running-req: {len(self.running)}, #queue-req: {len(self.waiting)}, "
+            f"input throughput (token/s): {new_tokens / max(self.runner.last_forward_seconds, 1e-9):.2f}"
+        )
+
+    def _log_decode(self, batch: int) -> None:
+        self._decode_tokens_since_log += batch
+        if self.stats["decode_steps"] % self.decode_log_interval:
+            return
+        now = time.perf_counter()
+        tput = self._decode_tokens_since_log / max(now - self._decode_log_t0, 1e-9)
+        self._decode_tokens_since_log, self._decode_log_t0 = 0, now
+        logger.info(
+            f"Decode batch, #running-req: {len(self.running)}, #token: {self.used_tokens()}, "
+            f"token usage: {self.token_usage():.2f}, cuda graph: False, gen throughput (token/s): {tput:.2f}, "
+            f"#queue-req: {len(self.waiting)}"
+        )
+
+    def used_tokens(self) -> int:
+        return self.kv.allocator.size - self.kv.free_tokens()
+
+    def token_usage(self) -> float:
+        return self.used_tokens() / max(1, self.kv.allocator.size)
+
+    def live_reqs(self) -> list[Req]:
+        live = list(self.running)
+        if self.chunked is not None:
+            live.append(self.chunked)
+        return live
+
+    def check_integrity(self) -> dict:
+        report = self.kv.integrity(self.live_reqs())
+        if not report["ok"]:
+            logger.error(f"KV pool integrity violated: {report}")
+        return report
+
+    def flush_cache(self) -> bool:
+        if self.has_work:
+            return False
+        self.kv.flush()
+        return True

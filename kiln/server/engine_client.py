@@ -1,0 +1,123 @@
+"""The front's side of the ZMQ link: submits requests, routes each step's outputs to the waiting handler,
+and aborts a request whose handler went away (client disconnect)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from kiln.sampling_params import SamplingParams
+from kiln.scheduler.io import AbortReq, BatchOut, ControlOut, ControlReq, GenerateReq, ReqOutput
+
+logger = logging.getLogger("kiln")
+
+
+class EngineClient:
+    def __init__(self, engine_addr: str, front_addr: str):
+        self._send = zmq.Context.instance().socket(zmq.PUSH)
+        self._send.connect(engine_addr)
+        self._actx = zmq.asyncio.Context()
+        self._recv = self._actx.socket(zmq.PULL)
+        self._recv.bind(front_addr)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.controls: dict[int, asyncio.Future] = {}
+        self._cids = itertools.count(1)
+        self.last_output_time = time.time()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._recv.recv_pyobj()
+            self.last_output_time = time.time()
+            if isinstance(msg, BatchOut):
+                for out in msg.outputs:
+                    q = self.queues.get(out.rid)
+                    if q is not None:
+                        q.put_nowait(out)
+            elif isinstance(msg, ControlOut):
+                fut = self.controls.pop(msg.cid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.queues)
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        rid: str | None = None,
+        deadline: float | None = None,
+    ) -> AsyncIterator[ReqOutput]:
+        """Yields the request's outputs until it finishes; aborts it if the consumer stops early."""
+        rid = rid or uuid.uuid4().hex
+        if rid in self.queues:
+            raise ValueError(f"request id {rid!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = q
+        finished = False
+        try:
+            self._send.send_pyobj(GenerateReq(rid, input_ids, params, stream, deadline))
+            while True:
+                out: ReqOutput = await q.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    async def collect(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        deadline: float | None = None,
+    ) -> tuple[str, list[int], list, ReqOutput]:
+        text, ids, logprobs, last = "", [], [], None
+        async for out in self.generate(input_ids, params, False, rid, deadline):
+            text += out.text_delta
+            ids.extend(out.new_ids)
+            logprobs.extend(out.logprobs or [])
+            last = out
+        assert last is not None
+        return text, ids, logprobs, last
+
+    async def prefill_only(self, input_ids: list[int]) -> None:
+        """Compute a prompt's KV once so that n samples share it through the prefix cache."""
+        await self.collect(input_ids, SamplingParams(max_new_tokens=0))
+
+    def abort(
+        self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by the client"
+    ) -> None:
+        self._send.send_pyobj(AbortReq(rid, abort_all, message))
+
+    async def control(self, kind: str, timeout: float = 30.0) -> ControlOut:
+        cid = next(self._cids)
+        fut = asyncio.get_running_loop().create_future()
+        self.controls[cid] = fut
+        self._send.send_pyobj(ControlReq(kind, cid))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.controls.pop(cid, None)
+
+    def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        self._send.close(0)
+        self._recv.close(0)

@@ -1,0 +1,301 @@
+"""/v1/completions, /v1/chat/completions and /generate: turn bodies into engine requests, and engine outputs
+into OpenAI-shaped JSON or SSE streams. A client that goes away aborts its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kiln.sampling_params import InvalidParam, SamplingParams
+from kiln.scheduler.io import ReqOutput
+from kiln.scheduler.validate import Limits, validate_request
+from kiln.server.engine_client import EngineClient
+from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kiln.server.responses import (
+    ChoiceState,
+    ModelNotFound,
+    finish_name,
+    logprobs_chat,
+    logprobs_completion,
+    usage,
+)
+from kiln.server.tokenizer import apply_chat_template
+
+
+@dataclass
+class Job:
+    """One generation: prompt `index`, sample `sample` of n."""
+
+    index: int
+    input_ids: list[int]
+    params: SamplingParams
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer,
+        limits: Limits,
+        model_name: str,
+        request_timeout: float | None = None,
+    ):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model_name = model_name
+        self.request_timeout = request_timeout
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ModelNotFound(name, self.model_name)
+
+    # ------------------------------------------------------------------ building jobs
+    def _jobs(self, prompts: list[list[int]], params: SamplingParams, default_max: int | None) -> list[Job]:
+        jobs = []
+        for i, ids in enumerate(prompts):
+            p = SamplingParams(**{**params.__dict__})
+            if default_max is None:  # "as many as fit": the context or the pool, whichever is smaller
+                p.max_new_tokens = max(
+                    1, min(self.limits.context_len, self.limits.max_total_tokens) - len(ids)
+                )
+            validate_request(ids, p, self.limits)
+            jobs.extend(Job(i, ids, p) for _ in range(p.n))
+        return jobs
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if not prompt:
+            raise InvalidParam("prompt", "the prompt is empty")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        if isinstance(prompt[0], str):
+            return [self.tokenizer.encode(p) for p in prompt]
+        return [list(p) for p in prompt]
+
+    # ------------------------------------------------------------------ running jobs
+    def _deadline(self) -> float | None:
+        return time.time() + self.request_timeout if self.request_timeout else None
+
+    async def _warm_prefixes(self, jobs: list[Job]) -> None:
+        seen = set()
+        for j in jobs:
+            if j.params.n > 1 and j.index not in seen:
+                seen.add(j.index)
+                await self.client.prefill_only(j.input_ids)
+
+    async def _run_all(self, jobs: list[Job], raw: Request) -> list[tuple[str, list[int], list, ReqOutput]]:
+        """Runs every job to the end; a client disconnect cancels (and so aborts) them all."""
+        await self._warm_prefixes(jobs)
+        deadline = self._deadline()
+        gather = asyncio.ensure_future(
+            asyncio.gather(*(self.client.collect(j.input_ids, j.params, deadline=deadline) for j in jobs))
+        )
+        while not gather.done():
+            done, _ = await asyncio.wait({gather}, timeout=0.25)
+            if not done and await raw.is_disconnected():
+                gather.cancel()
+                raise asyncio.CancelledError("client disconnected")
+        return gather.result()
+
+    async def _stream_all(self, jobs: list[Job]) -> AsyncIterator[tuple[int, ReqOutput]]:
+        await self._warm_prefixes(jobs)
+        queue: asyncio.Queue = asyncio.Queue()
+        deadline = self._deadline()
+
+        async def pump(k: int, job: Job) -> None:
+            async for out in self.client.generate(job.input_ids, job.params, stream=True, deadline=deadline):
+                queue.put_nowait((k, out))
+
+        tasks = [asyncio.ensure_future(pump(k, j)) for k, j in enumerate(jobs)]
+        remaining = len(jobs)
+        try:
+            while remaining:
+                k, out = await queue.get()
+                remaining -= out.finished
+                yield k, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ------------------------------------------------------------------ endpoints
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        if req.best_of not in (None, 1, req.n):
+            raise InvalidParam("best_of", "best_of is not supported (only best_of == n)")
+        want_lp = req.logprobs is not None
+        params = req.sampling_params(
+            req.max_tokens if req.max_tokens is not None else 16, want_lp, req.logprobs or 0
+        )
+        prompts = self._completion_prompts(req.prompt)
+        jobs = self._jobs(prompts, params, req.max_tokens if req.max_tokens is not None else 16)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        if req.stream:
+            return self._sse(self._completion_stream(jobs, base, req, want_lp))
+        results = await self._run_all(jobs, raw)
+        choices = []
+        for k, (text, ids, lps, last) in enumerate(results):
+            self._raise_engine_error(last)
+            choices.append(
+                {
+                    "index": k,
+                    "text": text,
+                    "finish_reason": finish_name(last),
+                    "matched_stop": (last.finish_reason or {}).get("matched"),
+                    "logprobs": logprobs_completion(self.tokenizer, lps) if want_lp else None,
+                }
+            )
+        return JSONResponse({**base, "choices": choices, "usage": usage(jobs, [r[3] for r in results])})
+
+    async def _completion_stream(self, jobs, base, req, want_lp) -> AsyncIterator[str]:
+        lasts = {}
+        async for k, out in self._stream_all(jobs):
+            lasts[k] = out
+            choice = {
+                "index": k,
+                "text": out.text_delta,
+                "finish_reason": finish_name(out) if out.finished else None,
+                "logprobs": logprobs_completion(self.tokenizer, out.logprobs or []) if want_lp else None,
+            }
+            if out.text_delta or out.finished:
+                yield sse({**base, "choices": [choice]})
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(jobs, [lasts[k] for k in sorted(lasts)])})
+        yield "data: [DONE]\n\n"
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            return apply_chat_template(self.tokenizer, msgs, **(req.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise InvalidParam("messages", str(e)) from None
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
+        params = req.sampling_params(max_tokens or 1, req.logprobs, top)
+        jobs = self._jobs([self._chat_prompt(req)], params, max_tokens)
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return self._sse(self._chat_stream(jobs, base, req))
+        results = await self._run_all(jobs, raw)
+        choices = []
+        for k, (text, ids, lps, last) in enumerate(results):
+            self._raise_engine_error(last)
+            choices.append(
+                {
+                    "index": k,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish_name(last),
+                    "matched_stop": (last.finish_reason or {}).get("matched"),
+                    "logprobs": logprobs_chat(self.tokenizer, lps) if req.logprobs else None,
+                }
+            )
+        body = {
+            **base,
+            "object": "chat.completion",
+            "choices": choices,
+            "usage": usage(jobs, [r[3] for r in results]),
+        }
+        return JSONResponse(body)
+
+    async def _chat_stream(self, jobs, base, req) -> AsyncIterator[str]:
+        base = {**base, "object": "chat.completion.chunk"}
+        states = {k: ChoiceState() for k in range(len(jobs))}
+        lasts = {}
+        async for k, out in self._stream_all(jobs):
+            lasts[k] = out
+            delta = {}
+            if not states[k].sent_role:
+                delta["role"] = "assistant"
+                states[k].sent_role = True
+            if out.text_delta or "role" in delta:
+                delta["content"] = out.text_delta
+            choice = {
+                "index": k,
+                "delta": delta,
+                "finish_reason": finish_name(out) if out.finished else None,
+                "logprobs": logprobs_chat(self.tokenizer, out.logprobs or []) if req.logprobs else None,
+            }
+            if delta or out.finished:
+                yield sse({**base, "choices": [choice]})
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(jobs, [lasts[k] for k in sorted(lasts)])})
+        yield "data: [DONE]\n\n"
+
+    async def generate(self, req: GenerateRequest, raw: Request):
+        if (req.text is None) == (req.input_ids is None):
+            raise InvalidParam("text", "give exactly one of text or input_ids")
+        single = isinstance(req.text, str) or (
+            req.input_ids is not None and req.input_ids and isinstance(req.input_ids[0], int)
+        )
+        if req.text is not None:
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            prompts = [self.tokenizer.encode(t) for t in texts]
+        else:
+            prompts = [req.input_ids] if single else [list(p) for p in req.input_ids]
+        params = req.params()
+        jobs = self._jobs(prompts, params, params.max_new_tokens)
+        if req.stream:
+            return self._sse(self._generate_stream(jobs))
+        results = await self._run_all(jobs, raw)
+        bodies = []
+        for text, ids, lps, last in results:
+            self._raise_engine_error(last)
+            bodies.append(self._native_body(text, ids, lps, last))
+        return JSONResponse(bodies[0] if single and len(bodies) == 1 else bodies)
+
+    async def _generate_stream(self, jobs) -> AsyncIterator[str]:
+        acc: dict[int, tuple[str, list[int], list]] = {}
+        async for k, out in self._stream_all(jobs):
+            text, ids, lps = acc.get(k, ("", [], []))
+            acc[k] = (text + out.text_delta, ids + out.new_ids, lps + (out.logprobs or []))
+            body = self._native_body(*acc[k], out)
+            body["index"] = k
+            yield sse(body)
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _native_body(text: str, ids: list[int], lps: list, last: ReqOutput) -> dict:
+        meta = {
+            "id": last.rid,
+            "finish_reason": last.finish_reason if last.finished else None,
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "cached_tokens": last.cached_tokens,
+            "num_retractions": last.num_retractions,
+        }
+        if lps:
+            meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in lps]
+            if any(lp.top for lp in lps):
+                meta["output_top_logprobs"] = [[[v, t] for t, v in (lp.top or [])] for lp in lps]
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    @staticmethod
+    def _raise_engine_error(last: ReqOutput) -> None:
+        if last.error:
+            raise EngineRequestError(last.error)
+
+    @staticmethod
+    def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(gen, media_type="text/event-stream")
+
+
+class EngineRequestError(RuntimeError):
+    """The engine failed this one request."""

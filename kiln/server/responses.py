@@ -1,0 +1,72 @@
+"""Pieces of OpenAI-shaped responses: finish reasons, usage, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.scheduler.io import ReqOutput, TokenLogprob
+
+
+class ModelNotFound(Exception):
+    def __init__(self, asked: str, served: str):
+        super().__init__(f"The model `{asked}` does not exist. This server serves `{served}`.")
+
+
+@dataclass
+class ChoiceState:
+    sent_role: bool = False
+
+
+def finish_name(out: ReqOutput) -> str | None:
+    if not out.finish_reason:
+        return None
+    return out.finish_reason["type"]
+
+
+def usage(jobs, lasts: list[ReqOutput]) -> dict:
+    """Each distinct prompt counts once, however many samples it had."""
+    prompt, cached, seen = 0, 0, set()
+    for job, last in zip(jobs, lasts):
+        if job.index not in seen:
+            seen.add(job.index)
+            prompt += last.prompt_tokens
+            cached += last.cached_tokens
+    completion = sum(last.completion_tokens for last in lasts)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _piece(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def logprobs_completion(tokenizer, lps: list[TokenLogprob]) -> dict:
+    tokens, offsets, offset = [], [], 0
+    for lp in lps:
+        piece = _piece(tokenizer, lp.token_id)
+        tokens.append(piece)
+        offsets.append(offset)
+        offset += len(piece)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_piece(tokenizer, t): v for t, v in (lp.top or [])} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def logprobs_chat(tokenizer, lps: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        piece = _piece(tokenizer, token_id)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in (lp.top or [])]}
+            for lp in lps
+        ]
+    }

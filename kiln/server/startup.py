@@ -1,0 +1,72 @@
+"""Startup as a state machine: launching -> loading_weights -> allocating_kv -> capturing -> warming_up -> ready,
+or failed(phase, reason, hint). Read by the log, /status, the probes and the --startup-events file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+logger = logging.getLogger("kiln")
+
+PHASES = ["launching", "loading_weights", "allocating_kv", "capturing", "warming_up", "ready"]
+
+
+class StartupState:
+    def __init__(self, events_file: str | None = None):
+        self.phase = "launching"
+        self.progress: dict = {}
+        self.timings: dict[str, float] = {}
+        self.error: dict | None = None
+        self.ledger: dict | None = None
+        self._t0 = self._phase_start = time.time()
+        self._events_file = events_file
+        self._lock = threading.Lock()
+        self._emit({"event": "phase", "phase": self.phase})
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"
+
+    @property
+    def failed(self) -> bool:
+        return self.phase == "failed"
+
+    def enter(self, phase: str, **info) -> None:
+        with self._lock:
+            if self.phase in ("ready", "failed") or phase == self.phase:
+                return
+            now = time.time()
+            self.timings[self.phase] = round(now - self._phase_start, 3)
+            self.phase, self._phase_start, self.progress = phase, now, dict(info)
+        self._emit({"event": "phase", "phase": phase, **info})
+
+    def step(self, **progress) -> None:
+        self.progress = progress
+        self._emit({"event": "progress", "phase": self.phase, **progress})
+
+    def fail(self, reason: str, hint: str = "") -> None:
+        with self._lock:
+            failed_phase = self.phase
+            self.timings[self.phase] = round(time.time() - self._phase_start, 3)
+            self.phase = "failed"
+            self.error = {"phase": failed_phase, "reason": reason, "hint": hint}
+        self._emit({"event": "failed", **self.error})
+
+    def to_dict(self) -> dict:
+        return {
+            "phase": self.phase,
+            "progress": self.progress,
+            "timings": self.timings,
+            "error": self.error,
+            "elapsed": round(time.time() - self._t0, 3),
+            "ledger": self.ledger,
+        }
+
+    def _emit(self, record: dict) -> None:
+        if not self._events_file:
+            return
+        record = {"time": time.time(), **record}
+        with open(self._events_file, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,291 @@
+"""Memory ledger formulas against hand-computed cases and public model configs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kiln.memory.ledger import (
+    GIB,
+    LedgerInputs,
+    compute_ledger,
+    kv_bytes_per_token,
+    param_counts,
+    weight_bytes,
+)
+from kiln.memory.ledger_format import format_refusal
+from kiln.platform import host_available_bytes, host_total_bytes, parse_size
+
+# Public config.json values (only the fields the ledger reads).
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+}  # fmt: skip
+TINY = {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+
+LLAMA_PARAMS = 8_030_261_248  # the published 8.03B
+LLAMA_NORMS = 32 * 2 * 4096 + 4096  # replicated on every rank
+
+
+def ledger(cfg: dict, device: str = "cuda", mem_gib: float = 80, **kw):
+    mem = int(mem_gib * GIB)
+    kw.setdefault("dtype", "bfloat16")
+    return compute_ledger(
+        LedgerInputs(hf_config=cfg, device=device, device_memory_bytes=mem, available_memory_bytes=mem, **kw)
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_kv_bytes_per_token_public_models(tp):
+    assert kv_bytes_per_token(LLAMA_31_8B, tp, 2) == 131_072 // tp  # 8 kv heads x 256 x 32 layers x 2 B
+    assert kv_bytes_per_token(QWEN3_8B, tp, 2) == 147_456 // tp  # 8 x 256 x 36 x 2
+    assert kv_bytes_per_token(DEEPSEEK_V3, tp, 2) == 70_272  # (512 + 64) x 61 x 2, latent not split by TP
+
+
+def test_kv_heads_replicated_when_tp_exceeds_kv_heads():
+    # 8 kv heads on 16 ranks: every rank still holds one head
+    assert kv_bytes_per_token(LLAMA_31_8B, 16, 2) == 1 * 256 * 32 * 2
+    # 2 kv heads on 4 ranks: 1 head per rank, not half a head
+    assert kv_bytes_per_token(TINY, 4, 4) == 1 * (16 + 16) * 2 * 4
+    assert kv_bytes_per_token(TINY, 1, 4) == 2 * (16 + 16) * 2 * 4
+    assert kv_bytes_per_token(LLAMA_31_8B, 1, 1) == 65_536  # fp8 KV halves the bf16 cell
+
+
+def test_weight_bytes_public_models():
+    assert weight_bytes(LLAMA_31_8B, 1, 2) == LLAMA_PARAMS * 2  # 16.06e9
+    assert abs(weight_bytes(LLAMA_31_8B, 1, 2) - 16.06e9) < 0.01e9
+    for tp in (2, 4, 8):  # everything but the norms is split (8 kv heads cover 8 ranks)
+        assert weight_bytes(LLAMA_31_8B, tp, 2) == ((LLAMA_PARAMS - LLAMA_NORMS) // tp + LLAMA_NORMS) * 2
+    assert abs(sum(param_counts(QWEN3_8B, 1)) - 8.19e9) < 0.01e9
+    assert abs(sum(param_counts(DEEPSEEK_V3, 1)) - 671e9) / 671e9 < 0.01  # without the MTP layer
+    # fp8 checkpoint: linears at ~1 B, embeddings and lm head at 2 B
+    assert 671e9 < weight_bytes(DEEPSEEK_V3, 1, 2) < 1.01 * 671e9 + 2e9
+
+
+def test_weight_bytes_match_transformers_parameter_counts():
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=320)  # fmt: skip
+    configs = [
+        tf.LlamaConfig(**small, tie_word_embeddings=False),
+        tf.LlamaConfig(**small, tie_word_embeddings=True, attention_bias=True),
+        tf.Qwen2Config(**small),
+        tf.Qwen3Config(**small, head_dim=32),
+        tf.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2),
+        tf.Qwen3MoeConfig(**small, num_experts=4, moe_intermediate_size=32, mlp_only_layers=[0]),
+        tf.DeepseekV3Config(**small, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                            v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                            first_k_dense_replace=1, num_experts_per_tok=2, n_group=2, topk_group=1),
+    ]  # fmt: skip
+    for cfg in configs:
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(cfg)
+        n = sum(p.numel() for p in model.parameters())
+        assert weight_bytes(cfg.to_dict(), 1, 4) == n * 4, cfg.model_type
+
+
+def test_gguf_weight_total_is_used():
+    cfg = dict(TINY, kiln_gguf={"weight_bytes_f32": 4_000_000})
+    assert weight_bytes(cfg, 1, 4) == 4_000_000
+    assert weight_bytes(cfg, 1, 2) == 2_000_000
+
+
+@pytest.mark.parametrize("mem_gib", [24, 80, 141])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_pool_tokens_follow_the_formula(tp, mem_gib):
+    # rest = available * mfs - weights; tokens = rest // cell, minus the padding page
+    pre = mem_gib * GIB
+    w = (LLAMA_PARAMS - LLAMA_NORMS) // tp * 2 + LLAMA_NORMS * 2
+    cell = 131_072 // tp
+    expected = int((pre * 0.85 - w) // cell) - 1
+    got = ledger(LLAMA_31_8B, mem_gib=mem_gib, tp_size=tp, mem_fraction_static=0.85)
+    assert got.kv_bytes_per_token == cell
+    assert got.weight_bytes == w
+    if expected > 0:
+        assert got.max_total_num_tokens == expected
+        assert got.line("kv pool").bytes == (expected + 1) * cell
+    else:
+        assert not got.fits and got.failure.moment == "kv_allocation"
+
+
+@pytest.mark.parametrize("mem_gib", [24, 80, 141])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("cfg", [LLAMA_31_8B, QWEN3_8B], ids=["llama", "qwen3"])
+def test_default_fraction_leaves_headroom(cfg, tp, mem_gib):
+    got = ledger(cfg, mem_gib=mem_gib, tp_size=tp)
+    assert got.fits, got.failure
+    assert got.headroom_bytes >= 0
+    lines = {x.name: x.bytes for x in got.lines}
+    used = sum(v for k, v in lines.items() if k not in ("available", "headroom", "kv bytes per token"))
+    assert used + got.headroom_bytes == lines["available"]
+    assert got.graph_reserve_bytes > 0 and got.prefill_activation_bytes > 0
+    assert 0.5 < got.mem_fraction_static < 1
+
+
+def test_default_fraction_matches_sglang_on_known_gpus():
+    assert ledger(LLAMA_31_8B, mem_gib=80).mem_fraction_static == 0.83  # H100
+    assert ledger(LLAMA_31_8B, mem_gib=141).mem_fraction_static == 0.903  # H200
+    assert "reserve" in ledger(LLAMA_31_8B, mem_gib=80).mem_fraction_reason
+
+
+def test_sglang_worked_example_qwen3_8b():
+    # B200 log: 177.57 GiB free before load, mfs 0.854 -> 992,896 tokens of 147,456 B
+    got = ledger(QWEN3_8B, mem_gib=177.57, mem_fraction_static=0.854)
+    assert abs(got.max_total_num_tokens - 992_896) / 992_896 < 0.002
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_deepseek_v3_mla(tp):
+    got = ledger(DEEPSEEK_V3, mem_gib=141, tp_size=tp)
+    assert got.kv_bytes_per_token == 70_272
+    assert "MLA" in got.line("kv bytes per token").inputs
+    assert got.fits == (tp == 8)  # ~84 GB of fp8 weights per rank only at tp 8
+    if tp < 8:
+        assert got.failure.moment == "load_weights"
+        assert got.failure.fix_flags.get("--tp-size") == "8"
+
+
+def test_cpu_default_pool_is_capped_at_a_quarter_of_ram():
+    got = ledger(LLAMA_31_8B, device="cpu", mem_gib=64, dtype="float32")
+    assert got.fits
+    assert got.line("kv pool").bytes <= 0.25 * 64 * GIB + got.kv_bytes_per_token
+    assert got.max_running_requests == 128 and got.chunked_prefill_size == 2048
+    assert "25%" in got.mem_fraction_reason and "shared machine" in got.mem_fraction_reason
+    assert got.graph_reserve_bytes == 0
+
+
+def test_cpu_small_model_pool_sized_by_use():
+    got = ledger(TINY, device="cpu", mem_gib=24, dtype="float32")
+    assert got.max_total_num_tokens == 128 * 512  # 128 requests x the model's 512 context
+
+
+def test_absolute_targets_are_honored_and_checked():
+    got = ledger(LLAMA_31_8B, mem_gib=80, max_total_tokens=100_000)
+    assert got.fits and got.max_total_num_tokens == 100_000
+    too_many = ledger(LLAMA_31_8B, mem_gib=80, max_total_tokens=2_000_000)
+    assert not too_many.fits and too_many.failure.moment == "kv_allocation"
+    pair = ledger(LLAMA_31_8B, device="cpu", mem_gib=24, context_length=4096, max_running_requests=8)
+    assert pair.fits and pair.max_total_num_tokens == 4096 * 8 and pair.max_running_requests == 8
+    big = ledger(
+        LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.85, context_length=8192, max_running_requests=512
+    )
+    assert not big.fits and big.failure.moment == "kv_allocation"
+    assert "4,194,304 tokens" in big.failure.message  # 8192 x 512
+
+
+def test_failure_moments_in_startup_order():
+    assert ledger(LLAMA_31_8B, mem_gib=12).failure.moment == "load_weights"
+    assert ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.18).failure.moment == "kv_allocation"
+    high = ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.95, context_length=8192)
+    assert high.failure.moment == "first_full_prefill"
+    assert "8192-token prefill" in high.failure.message and "leaves" in high.failure.message
+    assert high.failure.fix.startswith("use --mem-fraction-static <= 0.9")
+    graphs = ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.95, context_length=8192, max_running_requests=16,
+                    cuda_graph_max_bs=16, chunked_prefill_size=16384, max_prefill_tokens=16384)  # fmt: skip
+    assert graphs.fits or graphs.failure.moment in ("graph_capture", "first_full_prefill")
+
+
+def test_hicache_overcommit_refused_with_per_rank_arithmetic():
+    got = ledger(LLAMA_31_8B, mem_gib=80, tp_size=8, enable_hierarchical_cache=True, hicache_size_gb=100,
+                 host_memory_bytes=512 * GIB)  # fmt: skip
+    assert not got.fits and got.failure.moment == "host_memory"
+    msg = got.failure.message
+    assert "system RAM, not accelerator memory" in msg
+    assert "100 GB" in msg and "x 8 ranks = 800.0 GB" in msg
+    assert "--hicache-size" in got.failure.fix and "--hicache-ratio" in got.failure.fix
+    assert got.line("host tier per rank").bytes == 100 * 10**9
+    assert got.line("host tier node").bytes == 800 * 10**9
+    refusal = format_refusal(got)
+    assert "host_memory" in refusal and "--hicache-size" in refusal
+    ok = ledger(LLAMA_31_8B, mem_gib=80, tp_size=8, enable_hierarchical_cache=True, hicache_size_gb=50,
+                host_memory_bytes=512 * GIB)  # fmt: skip
+    assert ok.fits
+
+
+def test_hicache_ratio_scales_the_device_pool():
+    got = ledger(LLAMA_31_8B, mem_gib=80, enable_hierarchical_cache=True, hicache_ratio=1.5,
+                 host_memory_bytes=4096 * GIB)  # fmt: skip
+    assert got.fits
+    assert got.line("host tier per rank").bytes == int(1.5 * got.line("kv pool").bytes)
+
+
+def test_draft_model_adds_weights_and_kv():
+    base = ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.8)
+    spec = ledger(
+        LLAMA_31_8B,
+        mem_gib=80,
+        mem_fraction_static=0.8,
+        draft_hf_config=dict(LLAMA_31_8B, num_hidden_layers=1),
+    )
+    assert spec.kv_bytes_per_token == base.kv_bytes_per_token + 131_072 // 32
+    assert spec.line("draft weights").bytes > 0
+    assert spec.weight_bytes == base.weight_bytes + spec.line("draft weights").bytes
+    assert spec.max_total_num_tokens < base.max_total_num_tokens
+
+
+def test_to_dict_is_json_and_lines_show_inputs():
+    got = ledger(QWEN3_8B, mem_gib=24)
+    data = json.loads(json.dumps(got.to_dict()))
+    names = [x["name"] for x in data["lines"]]
+    for name in (
+        "weights",
+        "kv pool",
+        "request table",
+        "graph reserve",
+        "prefill activations",
+        "logits buffer",
+        "headroom",
+    ):
+        assert name in names
+    assert all(x["inputs"] for x in data["lines"])
+    assert "K " in got.line("kv pool").inputs and "V " in got.line("kv pool").inputs
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(mem_fraction_static=1.5), dict(tp_size=0), dict(page_size=0), dict(dtype="int3")]
+)
+def test_unusable_inputs_raise(bad):
+    with pytest.raises(ValueError):
+        ledger(TINY, **bad)
+
+
+def test_parse_size():
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_size("1.5e9") == 1_500_000_000
+    assert parse_size("512MiB") == 512 * 2**20
+    for bad in ("lots", "12 parsecs", "-1GB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_host_memory_is_cgroup_aware(tmp_path):
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("805306368\n")
+    assert host_total_bytes(tmp_path) <= GIB
+    assert host_available_bytes(tmp_path) <= GIB // 4
+    (tmp_path / "memory.max").write_text("max\n")
+    assert host_available_bytes(tmp_path) > 0 and host_total_bytes(tmp_path) > GIB // 4
+    assert math.isclose(host_total_bytes(tmp_path), host_total_bytes(tmp_path / "missing"))

