@@ -47,11 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.set_defaults(func=_generate)
-    for module in ("kiln.plan", "kiln.bench.cli"):
-        try:
-            __import__(module, fromlist=["register"]).register(sub)
-        except ImportError:
-            pass
+    from kiln import plan
+    from kiln.bench import cli as bench_cli
+
+    plan.register(sub)
+    bench_cli.register(sub)
     return parser
 
 

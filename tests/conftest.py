@@ -1,0 +1,120 @@
+"""Shared fixtures: locally built random-weight models, the default model, and a real `kiln serve` subprocess."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True),
+}
+
+
+def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
+    """A random-weight model saved with transformers, using the default model's tokenizer (GGUF vocab)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from kiln.loader.default_model import default_model_path
+    from kiln.server.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+    cfg = cfg_cls(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **TINY[kind])
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    with torch.no_grad():  # larger-than-default weights so logits have clear winners
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    from kiln.loader.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return str(build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return str(build_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`kiln serve` in a subprocess on 127.0.0.1, stopped (and reaped) at the end."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "kiln.cli", "serve", "--port", str(self.port), *args]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kiln serve exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"kiln serve not ready after {timeout} s:\n{self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log_path).read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The default model served with a small pool; shared by the HTTP tests."""
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    srv = ServerProcess(["--max-total-tokens", "16384", "--max-running-requests", "32",
+                         "--chunked-prefill-size", "512"], log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
