@@ -47,10 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.set_defaults(func=_generate)
-    from kiln import plan
+    from kiln import plan, wait
     from kiln.bench import cli as bench_cli
 
     plan.register(sub)
+    wait.register(sub)
     bench_cli.register(sub)
     return parser
 

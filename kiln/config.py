@@ -53,6 +53,11 @@ class ServerArgs:
     skip_server_warmup: bool = _f(False, "mark ready without a warm-up request")
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' (probes and /metrics stay open)")
     max_queued_requests: int | None = _f(None, "waiting requests beyond which new ones get 429")
+    request_timeout: float | None = _f(None, "seconds after which a request is aborted")
+    shutdown_timeout: float = _f(
+        30.0, "on SIGTERM, seconds in-flight requests may take to finish before abort"
+    )
+    disable_metrics: bool = _f(False, "do not serve Prometheus /metrics")
     watchdog_timeout: float = _f(300.0, "seconds a forward step or startup phase may make no progress")
     log_level: str = _f("info", "logging level")
     log_requests: bool = _f(False, "log every request")

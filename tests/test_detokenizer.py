@@ -48,7 +48,7 @@ def stream(tok, ids, chunks, **kwargs) -> tuple[list[str], str | None, Increment
         if stop is not None:
             return pieces, stop, det
     pieces.append(det.flush())
-    return pieces, None, det
+    return pieces, det.matched_stop, det  # a stop can only complete in flush() if it contains U+FFFD
 
 
 @HYPO

@@ -206,7 +206,15 @@ def test_banned_ids_never_chosen():
 def test_logprobs_equal_log_softmax_of_raw_logits():
     logits = rand_logits(4, seed=9)
     rows = [
-        row(1, logprobs=True, top_logprobs_num=5, temperature=0.7, repetition_penalty=1.3, output=[3]),
+        row(
+            1,
+            logprobs=True,
+            top_logprobs_num=5,
+            temperature=0.7,
+            repetition_penalty=1.3,
+            output=[3],
+            logit_bias={7: 30.0},
+        ),
         row(None, temperature=0.0),
         row(None, temperature=0.0, top_logprobs_num=3),
         row(4, logprobs=True),
@@ -221,6 +229,7 @@ def test_logprobs_equal_log_softmax_of_raw_logits():
         assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
         assert [v for _, v in out.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-6)
     assert out.next_token_ids[2] == out.top_logprobs[2][0][0]
+    assert out.next_token_ids[0] == 7  # the bias decided the token, but the reported logprobs are raw
 
 
 def test_fast_path_and_empty_batch():

@@ -1,4 +1,7 @@
-"""Rotary position embedding with a precomputed cos/sin table (any rope_type transformers knows)."""
+"""Rotary position embedding with a precomputed cos/sin table (any rope_type transformers knows).
+
+rotate_half(x) * sin == roll(x, D/2) * sin_signed, where sin_signed has its first half negated: one roll instead
+of two slices, a negation and a concatenation per call."""
 
 from __future__ import annotations
 
@@ -28,17 +31,16 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(max_positions, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        cos, sin = emb.cos() * scaling, emb.sin() * scaling
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.register_buffer("cos_sin", torch.stack((cos, sin_signed)), persistent=False)  # [2, P, D]
+        self.half = half
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin_for(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[2, T, 1, D]: looked up once per forward and shared by every layer."""
+        return self.cos_sin[:, positions].unsqueeze(2).to(dtype)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def apply(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]."""
+        return x * cos_sin[0] + torch.roll(x, self.half, dims=-1) * cos_sin[1]

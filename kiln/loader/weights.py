@@ -51,7 +51,19 @@ def materialize(model: torch.nn.Module, device: str) -> None:
             setattr(module, name, done[id(param)])
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int) -> torch.nn.Module:
+def _reporting(weights, on_progress, every: float = 1.0):
+    """Passes tensors through, reporting the count at most once per `every` seconds (for the startup watchdog)."""
+    last = time.perf_counter()
+    for i, item in enumerate(weights, 1):
+        yield item
+        if on_progress is not None and time.perf_counter() - last >= every:
+            on_progress({"tensors_loaded": i})
+            last = time.perf_counter()
+
+
+def load_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int, on_progress=None
+) -> torch.nn.Module:
     """Build the model on meta, materialize it and load every weight; checks nothing was missed."""
     t0 = time.perf_counter()
     cls = model_class(cfg.architecture)
@@ -63,7 +75,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions:
     finally:
         torch.set_default_dtype(default_dtype)
     materialize(model, device)
-    loaded = model.load_weights(iter_weights(cfg))
+    loaded = model.load_weights(_reporting(iter_weights(cfg), on_progress))
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:

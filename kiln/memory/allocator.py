@@ -113,7 +113,7 @@ class TokenAllocator:
         offset = torch.arange(total, dtype=_INT64, device=dev) - ext_start[seq]
         pos = pre[seq] + offset  # token position within its sequence
         partial_end = ((pre + ps - 1) // ps * ps)[seq]  # first position that needs a fresh page
-        in_partial = pos < 0
+        in_partial = pos < partial_end
         slots = last[seq] + offset + 1
         if pages.numel():
             page_start = (torch.cumsum(npg, 0) - npg)[seq]
@@ -158,7 +158,9 @@ class TokenAllocator:
             pages = torch.unique(slots.div(self.page_size, rounding_mode="floor"))
         if self.debug:
             cpu = pages.cpu()
-            assert bool((cpu >= 1).all()) and bool((cpu <= self.num_pages).all()), "freeing a page out of range"
+            assert bool((cpu >= 1).all()) and bool((cpu <= self.num_pages).all()), (
+                "freeing a page out of range"
+            )
             assert cpu.unique().numel() == cpu.numel(), "freeing the same slot twice in one call"
             assert not bool(self._is_free[cpu].any()), "double free of a KV page"
             self._is_free[cpu] = True

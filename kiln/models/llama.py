@@ -44,18 +44,17 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rotary, attn
-    ) -> torch.Tensor:
+    def forward(self, cos_sin: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rotary, attn) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.q_heads, self.head_dim)
-        k = k.view(-1, self.kv_heads, self.head_dim)
-        v = v.view(-1, self.kv_heads, self.head_dim)
+        t, hq, hk, d = qkv.shape[0], self.q_heads, self.kv_heads, self.head_dim
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+            qk = torch.cat((self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hk, d))), dim=1)
+        else:
+            qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)  # q and k are adjacent: rotate them together
+        qk = rotary.apply(qk, cos_sin)
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[:, (hq + hk) * d :].view(t, hk, d)
         out = attn.forward(self.layer_id, q, k, v, fb, self.scale)
         return self.o_proj(out)
 
@@ -79,8 +78,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, h: torch.Tensor, fb: ForwardBatch, rotary, attn) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), fb, rotary, attn)
+    def forward(self, cos_sin, h: torch.Tensor, fb: ForwardBatch, rotary, attn) -> torch.Tensor:
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h), fb, rotary, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -110,8 +109,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.model.embed_tokens(fb.input_ids)
+        cos_sin = self.rotary.cos_sin_for(fb.positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(fb.positions, h, fb, self.rotary, self.attn)
+            h = layer(cos_sin, h, fb, self.rotary, self.attn)
         h = self.model.norm(h[fb.logits_index])
         return self.lm_head(h).float()
 

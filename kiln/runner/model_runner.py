@@ -41,10 +41,10 @@ class ModelRunner:
         self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, device
         self.measured: dict[str, int] = {}
 
-    def load(self, max_positions: int) -> None:
+    def load(self, max_positions: int, on_progress=None) -> None:
         before = _avail_gb(self.device)
         logger.info(f"Load weight begin. avail mem={before:.2f} GB")
-        self.model = load_model(self.model_config, self.dtype, self.device, max_positions)
+        self.model = load_model(self.model_config, self.dtype, self.device, max_positions, on_progress)
         weight_bytes = sum(p.nbytes for p in {id(p): p for p in self.model.parameters()}.values())
         self.measured["weights"] = weight_bytes
         logger.info(
@@ -66,11 +66,14 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
-        self.table = ReqToTokenPool(sizes.max_running_requests + 1, sizes.context_len + 8, self.device)
+        self.table = ReqToTokenPool(sizes.max_running_requests, sizes.context_len, self.device)
         self.allocator = TokenAllocator(sizes.max_total_num_tokens, sizes.page_size, self.device)
         self.model.attn = TorchAttentionBackend(self.kv_pool)
         self.measured["kv_pool"] = self.kv_pool.k_bytes + self.kv_pool.v_bytes
         self.measured["req_table"] = self.table.req_to_token.nbytes
+        from kiln.memory.measure import current_rss_bytes
+
+        self.measured["rss_after_pool"] = current_rss_bytes()
         logger.info(
             f"KV Cache is allocated. dtype: {self.kv_dtype}, #tokens: {sizes.max_total_num_tokens}, "
             f"K size: {self.kv_pool.k_bytes / GB:.2f} GB, V size: {self.kv_pool.v_bytes / GB:.2f} GB"

@@ -67,3 +67,4 @@ class ReqOutput:
 @dataclass
 class BatchOut:
     outputs: list[ReqOutput]
+    stats: dict[str, Any] = field(default_factory=dict)  # the scheduler's gauges and counters at this step

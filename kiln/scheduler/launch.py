@@ -95,7 +95,10 @@ def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None 
     dtype = model_config.resolve_dtype(args.dtype, device)
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else dtype_from_name(args.kv_cache_dtype)
     runner = ModelRunner(model_config, dtype, kv_dtype, device)
-    runner.load(max_positions=max(ledger.context_len, model_config.max_position_embeddings) + 8)
+    runner.load(
+        max(ledger.context_len, model_config.max_position_embeddings) + 8,
+        on_progress=lambda info: phase("progress", info),
+    )
     phase("allocating_kv", {})
     runner.init_memory_pool(
         PoolSizes(

@@ -90,6 +90,7 @@ class Scheduler:
             "generation_tokens": 0,
             "failed": 0,
         }
+        self.integrity_violations = 0
         self._decode_tokens_since_log = 0
         self._decode_log_t0 = time.perf_counter()
 
@@ -322,9 +323,21 @@ class Scheduler:
             live.append(self.chunked)
         return live
 
+    def gauges(self) -> dict:
+        """Counters and gauges for /metrics, sent with every output batch and heartbeat."""
+        return {
+            **self.stats,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "token_usage": self.token_usage(),
+            "used_tokens": self.used_tokens(),
+            "integrity_violations": self.integrity_violations,
+        }
+
     def check_integrity(self) -> dict:
         report = self.kv.integrity(self.live_reqs())
         if not report["ok"]:
+            self.integrity_violations += 1
             logger.error(f"KV pool integrity violated: {report}")
         return report
 

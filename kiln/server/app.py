@@ -10,17 +10,19 @@ from dataclasses import asdict, dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import ValidationError
 
 from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam
 from kiln.server.engine_client import EngineClient
 from kiln.server.openai_api import EngineRequestError, OpenAIServing
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
-from kiln.server.responses import ModelNotFound
+from kiln.server.responses import ModelNotFound, QueueFull
 from kiln.server.startup import StartupState
 
 logger = logging.getLogger("kiln")
 OPEN_PATHS = {"/live", "/ready", "/health", "/health_generate", "/status", "/metrics"}
+GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/generate"}
 
 
 @dataclass
@@ -32,6 +34,8 @@ class ServerState:
     info: dict | None = None
     model_name: str = ""
     shutting_down: bool = False
+    stalled: str | None = None  # why the engine is considered stuck, if it is
+    metrics: object | None = None
 
 
 def _err(
@@ -45,7 +49,9 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.kiln = state
 
     @app.middleware("http")
-    async def auth(request: Request, call_next):
+    async def gate(request: Request, call_next):
+        if state.shutting_down and request.url.path in GENERATION_PATHS:
+            return _err(503, "the server is shutting down", None, "unavailable")
         key = state.args.api_key
         if key and request.url.path not in OPEN_PATHS:
             if request.headers.get("authorization", "") != f"Bearer {key}":
@@ -75,6 +81,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(InvalidParam)
     async def on_invalid(request: Request, exc: InvalidParam):
         return _err(400, str(exc), exc.param)
+
+    @app.exception_handler(QueueFull)
+    async def on_queue_full(request: Request, exc: QueueFull):
+        if state.metrics is not None:
+            state.metrics.rejected.inc()
+        resp = _err(429, str(exc), None, "rate_limit_error", "queue_full")
+        resp.headers["Retry-After"] = str(exc.retry_after)
+        return resp
 
     @app.exception_handler(ModelNotFound)
     async def on_model(request: Request, exc: ModelNotFound):
@@ -111,8 +125,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise InvalidParam("body", "the body must be a JSON object")
         try:
             return model.model_validate(data)
-        except Exception as e:  # pydantic.ValidationError
-            raise RequestValidationError(getattr(e, "errors", lambda: [{"msg": str(e)}])()) from None
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
 
     # ---------------------------------------------------------------- probes
     @app.get("/live")
@@ -120,13 +134,24 @@ def create_app(state: ServerState) -> FastAPI:
         return {"status": "alive"}
 
     def _readiness():
-        if state.startup.ready and not state.shutting_down:
+        if state.startup.ready and not state.shutting_down and not state.stalled:
             return PlainTextResponse("", status_code=200)
         phase = "shutting_down" if state.shutting_down else state.startup.phase
-        return JSONResponse({"ready": False, "phase": phase, "error": state.startup.error}, status_code=503)
+        return JSONResponse(
+            {"ready": False, "phase": phase, "error": state.startup.error, "stalled": state.stalled},
+            status_code=503,
+        )
 
     for path in ("/health", "/ready", "/health_generate"):
         app.add_api_route(path, _readiness, methods=["GET"])
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.metrics is None:
+            return _err(404, "metrics are disabled (--disable-metrics)", None, "not_found")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
     async def status():

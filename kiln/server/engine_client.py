@@ -31,6 +31,8 @@ class EngineClient:
         self._cids = itertools.count(1)
         self.last_output_time = time.time()
         self._task: asyncio.Task | None = None
+        self.metrics = None  # a kiln.server.metrics.Metrics, when /metrics is on
+        self.engine_stats: dict = {}
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._recv_loop())
@@ -40,6 +42,9 @@ class EngineClient:
             msg = await self._recv.recv_pyobj()
             self.last_output_time = time.time()
             if isinstance(msg, BatchOut):
+                self.engine_stats = msg.stats
+                if self.metrics is not None:
+                    self.metrics.update_engine(msg.stats)
                 for out in msg.outputs:
                     q = self.queues.get(out.rid)
                     if q is not None:
@@ -68,11 +73,20 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
         finished = False
+        start, first, prev = time.time(), None, None
         try:
             self._send.send_pyobj(GenerateReq(rid, input_ids, params, stream, deadline))
             while True:
                 out: ReqOutput = await q.get()
                 finished = out.finished
+                if self.metrics is not None:
+                    now = time.time()
+                    if out.new_ids and first is None:
+                        first = now
+                    self.metrics.observe_output(
+                        start, first, prev, now, len(out.new_ids), out.finish_reason if finished else None
+                    )
+                    prev = now if out.new_ids else prev
                 yield out
                 if finished:
                     return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import traceback
 
 import zmq
@@ -14,17 +15,37 @@ from kiln.scheduler.io import AbortReq, BatchOut, ControlOut, ControlReq, Genera
 from kiln.server.logs import configure_logging
 
 logger = logging.getLogger("kiln")
+HEARTBEAT_SECONDS = 1.0
+
+
+def _inject_fault(phase: str) -> None:
+    """Fault injection for the startup tests: KILN_FAULT=crash:<phase> or stall:<phase>."""
+    kind, _, at = os.environ.get("KILN_FAULT", "").partition(":")
+    if at != phase:
+        return
+    if kind == "crash":
+        logger.error(f"injected crash in phase {phase}")
+        os._exit(3)
+    if kind == "stall":
+        logger.warning(f"injected stall in phase {phase}")
+        time.sleep(3600)
 
 
 def engine_main(args: ServerArgs, recv_addr: str, send_addr: str, status_queue) -> None:
-    """Entry point of the child process. Reports ("phase", name, info), ("ready", info) or ("error", reason, tb)
-    on status_queue during startup."""
+    """Entry point of the child process. Reports ("phase", name, info), ("progress", info), ("ready", info) or
+    ("error", reason, tb) on status_queue during startup."""
     configure_logging(args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when to stop
+
+    def on_phase(name: str, info: dict) -> None:
+        status_queue.put(("phase", name, info) if name != "progress" else ("progress", info))
+        if name != "progress":
+            _inject_fault(name)
+
     try:
         from kiln.scheduler.launch import build_engine
 
-        parts = build_engine(args, on_phase=lambda name, info: status_queue.put(("phase", name, info)))
+        parts = build_engine(args, on_phase=on_phase)
     except Exception as e:
         logger.error(f"engine startup failed: {e}")
         status_queue.put(("error", str(e), traceback.format_exc()))
@@ -39,7 +60,13 @@ def engine_main(args: ServerArgs, recv_addr: str, send_addr: str, status_queue) 
 
 
 def server_info(parts) -> dict:
+    from kiln.memory.measure import memory_check, peak_rss_bytes
+
     ledger = parts.ledger
+    runner = parts.scheduler.runner
+    measured = dict(runner.measured)
+    if "rss_after_pool" in measured:
+        measured["warmup_peak"] = max(0, peak_rss_bytes() - measured.pop("rss_after_pool"))
     return {
         "max_total_num_tokens": ledger.max_total_num_tokens,
         "max_running_requests": ledger.max_running_requests,
@@ -48,7 +75,8 @@ def server_info(parts) -> dict:
         "vocab_size": parts.model_config.vocab_size,
         "device": parts.device,
         "ledger": ledger.to_dict(),
-        "measured": dict(parts.scheduler.runner.measured),
+        "measured": measured,
+        "memory_check": memory_check(ledger, measured),
         "pid": os.getpid(),
     }
 
@@ -62,6 +90,7 @@ class EngineLoop:
         self.poller.register(recv, zmq.POLLIN)
 
     def run(self) -> None:
+        last_sent = 0.0
         while True:
             timeout = 0 if self.sched.has_work else 100
             if self.poller.poll(timeout):
@@ -71,10 +100,11 @@ class EngineLoop:
                     except zmq.Again:
                         break
                     self.handle(msg)
-            if self.sched.has_work or self.sched.outbox:
-                outs = self.sched.step()
-                if outs:
-                    self.send.send_pyobj(BatchOut(outs))
+            outs = self.sched.step() if self.sched.has_work or self.sched.outbox else []
+            now = time.time()
+            if outs or now - last_sent >= HEARTBEAT_SECONDS:  # an empty batch is the heartbeat
+                self.send.send_pyobj(BatchOut(outs, self.sched.gauges()))
+                last_sent = now
 
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):

@@ -1,5 +1,5 @@
-"""`kiln serve`: start the engine process, bring up HTTP, warm up, report ready. A dead engine takes the
-server down with a non-zero exit and its reason."""
+"""`kiln serve`: start the engine process, bring up HTTP, warm up, report ready. A dead or stalled engine takes
+the server down with a non-zero exit and its reason; SIGTERM drains in-flight requests, then exits 0."""
 
 from __future__ import annotations
 
@@ -28,6 +28,21 @@ logger = logging.getLogger("kiln")
 WARMUP_PROMPT = "The capital city of France is"
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, with the first SIGTERM/SIGINT turned into a graceful drain."""
+
+    def __init__(self, config: uvicorn.Config, launcher: Launcher):
+        super().__init__(config)
+        self.launcher = launcher
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.launcher.state.shutting_down or self.loop is None or not self.launcher.state.startup.ready:
+            return super().handle_exit(sig, frame)
+        self.launcher.state.shutting_down = True
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.launcher.drain()))
+
+
 class Launcher:
     def __init__(self, args: ServerArgs):
         self.args = args.with_defaults()
@@ -37,7 +52,7 @@ class Launcher:
         self.engine_addr = f"ipc://{ipc_dir}/engine"
         self.front_addr = f"ipc://{ipc_dir}/front"
         self.exit_code = 0
-        self.server: uvicorn.Server | None = None
+        self.server: _Server | None = None
         self.proc: mp.process.BaseProcess | None = None
 
     def start_engine(self) -> None:
@@ -51,64 +66,139 @@ class Launcher:
         )
         self.proc.start()
 
-    async def bring_up(self) -> None:
-        st = self.state.startup
-        loop = asyncio.get_running_loop()
-        tokenizer_future = loop.run_in_executor(
-            None, load_tokenizer, self.args.model_path, self.args.tokenizer_path, self.args.chat_template
-        )
+    async def _engine_startup(self) -> dict | None:
+        """Follows the engine's phases until it is ready; a phase silent past --watchdog-timeout fails startup."""
+        st, loop = self.state.startup, asyncio.get_running_loop()
+        last_event = time.time()
         while True:
             try:
                 msg = await loop.run_in_executor(None, self.status_q.get, True, 0.5)
             except queue.Empty:
                 if not self.proc.is_alive():
-                    return self.die(
-                        f"the engine process exited with code {self.proc.exitcode} during startup"
+                    self.die(f"the engine process exited with code {self.proc.exitcode} during {st.phase}")
+                    return None
+                if time.time() - last_event > self.args.watchdog_timeout:
+                    self.die(
+                        f"phase {st.phase} made no progress for {self.args.watchdog_timeout:.0f} s "
+                        f"(--watchdog-timeout)",
+                        hint="see the engine log above for where it stopped",
                     )
+                    return None
                 continue
+            last_event = time.time()
             if msg[0] == "phase":
                 st.enter(msg[1], **msg[2])
+            elif msg[0] == "progress":
+                st.step(**msg[1])
             elif msg[0] == "error":
-                return self.die(msg[1], hint=_hint(msg[1]))
+                self.die(msg[1], hint=_hint(msg[1]))
+                return None
             elif msg[0] == "ready":
-                info = msg[1]
-                break
+                return msg[1]
+
+    async def bring_up(self) -> None:
+        try:
+            await self._bring_up()
+        except Exception as e:  # noqa: BLE001 - a failed startup must be reported, never swallowed
+            logger.exception("startup failed")
+            self.die(f"startup failed: {e!r}")
+
+    async def _bring_up(self) -> None:
+        loop = asyncio.get_running_loop()
+        tokenizer_future = loop.run_in_executor(
+            None, load_tokenizer, self.args.model_path, self.args.tokenizer_path, self.args.chat_template
+        )
+        info = await self._engine_startup()
+        if info is None:
+            return
         self.state.info = info
-        st.ledger = info.get("ledger")
+        self.state.startup.ledger = info.get("ledger")
         tokenizer = await tokenizer_future
         client = EngineClient(self.engine_addr, self.front_addr)
+        if not self.args.disable_metrics:
+            from kiln.server.metrics import Metrics
+
+            self.state.metrics = client.metrics = Metrics({**info["ledger"], **info})
         client.start()
         self.state.client = client
         limits = Limits(info["vocab_size"], info["context_len"], info["max_total_num_tokens"])
-        self.state.serving = OpenAIServing(client, tokenizer, limits, self.state.model_name)
-        st.enter("warming_up")
-        if not self.args.skip_server_warmup:
-            from kiln.sampling_params import SamplingParams
-
-            try:
-                _, _, _, last = await asyncio.wait_for(
-                    client.collect(
-                        tokenizer.encode(WARMUP_PROMPT), SamplingParams(max_new_tokens=8, temperature=0)
-                    ),
-                    timeout=max(60.0, self.args.watchdog_timeout),
-                )
-            except Exception as e:  # noqa: BLE001 - any failure here is a failed startup
-                return self.die(f"warm-up request failed: {e!r}")
-            if last.error:
-                return self.die(f"warm-up request failed: {last.error}")
-        st.enter("ready")
+        max_in_flight = (
+            info["max_running_requests"] + self.args.max_queued_requests
+            if self.args.max_queued_requests is not None
+            else None
+        )
+        self.state.serving = OpenAIServing(
+            client, tokenizer, limits, self.state.model_name, self.args.request_timeout, max_in_flight
+        )
+        self.state.startup.enter("warming_up")
+        if not self.args.skip_server_warmup and not await self._warm_up(client, tokenizer):
+            return
+        await self._report_memory(client)
+        self.state.startup.enter("ready")
         logger.info("The server is fired up and ready to roll!")
 
+    async def _warm_up(self, client: EngineClient, tokenizer) -> bool:
+        from kiln.sampling_params import SamplingParams
+
+        try:
+            _, _, _, last = await asyncio.wait_for(
+                client.collect(
+                    tokenizer.encode(WARMUP_PROMPT), SamplingParams(max_new_tokens=8, temperature=0)
+                ),
+                timeout=self.args.watchdog_timeout,
+            )
+        except Exception as e:  # noqa: BLE001 - any failure here is a failed startup
+            self.die(f"warm-up request failed: {e!r}")
+            return False
+        if last.error:
+            self.die(f"warm-up request failed: {last.error}")
+            return False
+        return True
+
+    async def _report_memory(self, client: EngineClient) -> None:
+        from kiln.memory.measure import format_check
+
+        out = await client.control("server_info")
+        self.state.info.update(out.data)
+        self.state.startup.memory_check = out.data.get("memory_check")
+        logger.info(f"Memory check (ledger vs measured): {format_check(out.data.get('memory_check', []))}")
+
     async def watch_engine(self) -> None:
+        """After startup: the engine must stay alive, and answer within --watchdog-timeout while it has work."""
         while True:
             await asyncio.sleep(0.5)
             if self.proc is not None and not self.proc.is_alive() and not self.state.shutting_down:
                 if not self.state.startup.failed:
                     self.die(f"the engine process died (exit code {self.proc.exitcode})")
                 return
+            client = self.state.client
+            if client is not None:
+                silent = time.time() - client.last_output_time
+                stalled = silent > self.args.watchdog_timeout
+                self.state.stalled = (
+                    f"the engine loop has not answered for {silent:.0f} s" if stalled else None
+                )
+
+    async def drain(self) -> None:
+        """SIGTERM: refuse new requests (503), let in-flight ones finish up to --shutdown-timeout, abort the rest."""
+        client = self.state.client
+        logger.info(
+            f"Shutting down: draining {client.num_active if client else 0} in-flight requests "
+            f"(up to {self.args.shutdown_timeout:.0f} s)"
+        )
+        deadline = time.time() + self.args.shutdown_timeout
+        while client is not None and client.num_active and time.time() < deadline:
+            await asyncio.sleep(0.1)
+        if client is not None and client.num_active:
+            logger.info(f"Aborting {client.num_active} requests still running")
+            client.abort(abort_all=True, message="the server is shutting down")
+            end = time.time() + 5
+            while client.num_active and time.time() < end:
+                await asyncio.sleep(0.05)
+        self.server.should_exit = True
 
     def die(self, reason: str, hint: str = "") -> None:
-        logger.error(f"Kiln failed: {reason}")
+        logger.error(f"Kiln failed: {reason}" + (f" ({hint})" if hint else ""))
         self.state.startup.fail(reason, hint)
         self.exit_code = 1
         if self.server is not None:
@@ -128,6 +218,7 @@ class Launcher:
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
+            self.server.loop = asyncio.get_running_loop()
             tasks = [asyncio.create_task(self.bring_up()), asyncio.create_task(self.watch_engine())]
             yield
             self.state.shutting_down = True
@@ -138,14 +229,14 @@ class Launcher:
         config = uvicorn.Config(
             app, host=self.args.host, port=self.args.port, log_level="warning", timeout_graceful_shutdown=5
         )
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config, self)
         logger.info(f"Kiln serving {self.state.model_name} on http://{self.args.host}:{self.args.port}")
         try:
             self.server.run()
         finally:
             self.state.shutting_down = True
             self.stop_engine()
-        if self.server.started is False and self.exit_code == 0:
+        if not self.server.started and self.exit_code == 0:
             self.exit_code = 1
         return self.exit_code
 

@@ -21,6 +21,7 @@ from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, Gener
 from kiln.server.responses import (
     ChoiceState,
     ModelNotFound,
+    QueueFull,
     finish_name,
     logprobs_chat,
     logprobs_completion,
@@ -50,7 +51,9 @@ class OpenAIServing:
         limits: Limits,
         model_name: str,
         request_timeout: float | None = None,
+        max_in_flight: int | None = None,
     ):
+        self.max_in_flight = max_in_flight
         self.client = client
         self.tokenizer = tokenizer
         self.limits = limits
@@ -72,6 +75,9 @@ class OpenAIServing:
                 )
             validate_request(ids, p, self.limits)
             jobs.extend(Job(i, ids, p) for _ in range(p.n))
+        active = self.client.num_active
+        if self.max_in_flight is not None and active + len(jobs) > self.max_in_flight:
+            raise QueueFull(active, self.max_in_flight)
         return jobs
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
@@ -147,7 +153,7 @@ class OpenAIServing:
             return self._sse(self._completion_stream(jobs, base, req, want_lp))
         results = await self._run_all(jobs, raw)
         choices = []
-        for k, (text, ids, lps, last) in enumerate(results):
+        for k, (text, _ids, lps, last) in enumerate(results):
             self._raise_engine_error(last)
             choices.append(
                 {
@@ -196,7 +202,7 @@ class OpenAIServing:
             return self._sse(self._chat_stream(jobs, base, req))
         results = await self._run_all(jobs, raw)
         choices = []
-        for k, (text, ids, lps, last) in enumerate(results):
+        for k, (text, _ids, lps, last) in enumerate(results):
             self._raise_engine_error(last)
             choices.append(
                 {

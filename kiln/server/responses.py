@@ -12,6 +12,15 @@ class ModelNotFound(Exception):
         super().__init__(f"The model `{asked}` does not exist. This server serves `{served}`.")
 
 
+class QueueFull(Exception):
+    def __init__(self, active: int, limit: int, retry_after: int = 1):
+        super().__init__(
+            f"the request queue is full: {active} requests in flight, the limit is {limit} "
+            f"(--max-running-requests + --max-queued-requests); retry after {retry_after} s"
+        )
+        self.retry_after = retry_after
+
+
 @dataclass
 class ChoiceState:
     sent_role: bool = False

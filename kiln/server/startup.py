@@ -20,6 +20,7 @@ class StartupState:
         self.timings: dict[str, float] = {}
         self.error: dict | None = None
         self.ledger: dict | None = None
+        self.memory_check: list | None = None
         self._t0 = self._phase_start = time.time()
         self._events_file = events_file
         self._lock = threading.Lock()

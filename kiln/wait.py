@@ -1,0 +1,63 @@
+"""`kiln wait URL`: follow a starting server's phases with a progress bar; exit 0 when ready, 1 with the failed
+phase and reason, 2 on timeout. The replacement for polling logs for "fired up"."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import httpx
+from tqdm import tqdm
+
+from kiln.server.startup import PHASES
+
+
+def wait(url: str, timeout: float, interval: float = 0.5, quiet: bool = False) -> int:
+    url = url.rstrip("/")
+    deadline = time.time() + timeout
+    bar = tqdm(total=len(PHASES) - 1, desc="waiting for the server", disable=quiet, unit="phase")
+    last_phase = None
+    try:
+        while time.time() < deadline:
+            try:
+                status = httpx.get(f"{url}/status", timeout=5).json()
+            except (httpx.HTTPError, ValueError):
+                bar.set_description("waiting for the server (not answering yet)")
+                time.sleep(interval)
+                continue
+            phase = status.get("phase")
+            if phase == "failed":
+                err = status.get("error") or {}
+                bar.close()
+                print(
+                    f"kiln wait: startup failed in phase {err.get('phase')}: {err.get('reason')}"
+                    + (f"\nhint: {err['hint']}" if err.get("hint") else ""),
+                    file=sys.stderr,
+                )
+                return 1
+            if phase in PHASES:
+                bar.n = PHASES.index(phase)
+            progress = status.get("progress") or {}
+            detail = ", ".join(f"{k}={v}" for k, v in progress.items())
+            bar.set_description(f"{phase}" + (f" ({detail})" if detail else ""))
+            bar.refresh()
+            if phase != last_phase:
+                last_phase = phase
+            if phase == "ready":
+                bar.close()
+                if not quiet:
+                    print(f"kiln wait: {url} is ready after {status.get('elapsed', 0):.1f} s")
+                return 0
+            time.sleep(interval)
+    finally:
+        bar.close()
+    print(f"kiln wait: {url} not ready after {timeout:.0f} s (last phase: {last_phase})", file=sys.stderr)
+    return 2
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("wait", help="wait for a starting server to be ready, showing its phases")
+    p.add_argument("url", nargs="?", default="http://127.0.0.1:30000")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=lambda ns: wait(ns.url, ns.timeout, quiet=ns.quiet))

@@ -1,0 +1,244 @@
+"""Bad input to a real `kiln serve`: an OpenAI-style error JSON with the right 4xx naming the parameter, and the
+server keeps serving (a good request right after succeeds)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+CMPL, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
+MSG = [{"role": "user", "content": "Hi"}]
+VOCAB = 49152  # the default model's vocabulary (checked against /get_server_info below)
+
+
+def post(url: str, path: str, body: dict | bytes) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def check_error(resp: httpx.Response, status: int, params: str | tuple[str, ...], *needles: str) -> dict:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json"), resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["param"] in ((params,) if isinstance(params, str) else params), err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == "invalid_request_error"
+    for needle in needles:
+        assert needle in err["message"], err["message"]
+    return err
+
+
+def assert_still_serving(url: str, prompt: str | list[int] = "Hi") -> None:
+    r = post(url, CMPL, {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def nan(field: str, path: str = CMPL) -> tuple:
+    body = b'{"messages": [{"role": "user", "content": "Hi"}]' if path == CHAT else b'{"prompt": "Hi"'
+    return (path, body + f', "{field}": NaN}}'.encode(), 400, field)
+
+
+CASES = {
+    # malformed bodies
+    "malformed-json": (CMPL, b'{"prompt": "Hi", ', 400, "body"),
+    "malformed-json-chat": (CHAT, b'{"messages": [', 400, "body"),
+    "malformed-json-generate": (GEN, b'{"text": "Hi"', 400, "body"),
+    "body-not-an-object": (CMPL, b"[1, 2]", 400, "body"),
+    "wrong-type": (CMPL, {"prompt": "Hi", "temperature": "hot"}, 400, "temperature"),
+    "bad-role": (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    # empty prompts
+    "empty-prompt": (CMPL, {"prompt": ""}, 400, "prompt"),
+    "empty-prompt-ids": (CMPL, {"prompt": []}, 400, "prompt"),
+    "empty-messages": (CHAT, {"messages": []}, 400, "messages"),
+    "empty-text-generate": (GEN, {"text": ""}, 400, ("text", "prompt")),
+    # max_tokens
+    "max-tokens-past-context": (CMPL, {"prompt": "Hi", "max_tokens": 8192}, 400, "max_tokens"),
+    "max-tokens-past-context-chat": (CHAT, {"messages": MSG, "max_tokens": 9000}, 400, "max_tokens"),
+    "negative-max-tokens": (CMPL, {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+    "negative-max-tokens-chat": (CHAT, {"messages": MSG, "max_tokens": -1}, 400, "max_tokens"),
+    # out-of-range sampling values
+    "temperature-negative": (CMPL, {"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
+    "temperature-huge": (CHAT, {"messages": MSG, "temperature": 1000}, 400, "temperature"),
+    "top-p-zero": (CMPL, {"prompt": "Hi", "top_p": 0}, 400, "top_p"),
+    "top-p-above-one": (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
+    "top-k-zero": (CMPL, {"prompt": "Hi", "top_k": 0}, 400, "top_k"),
+    "min-p-above-one": (CMPL, {"prompt": "Hi", "min_p": 1.5}, 400, "min_p"),
+    "presence-penalty": (CMPL, {"prompt": "Hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    "frequency-penalty": (CHAT, {"messages": MSG, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    "repetition-penalty": (CMPL, {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    "n-zero": (CMPL, {"prompt": "Hi", "n": 0}, 400, "n"),
+    "logprobs-too-many": (CMPL, {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
+    "top-logprobs-too-many": (
+        CHAT,
+        {"messages": MSG, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    "top-logprobs-without-logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    "generate-temperature": (GEN, {"text": "Hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    # NaN / Infinity (Python's json accepts them)
+    "nan-temperature": nan("temperature"),
+    "nan-top-p": nan("top_p"),
+    "nan-presence-penalty-chat": nan("presence_penalty", CHAT),
+    "infinite-frequency-penalty": (
+        CMPL,
+        b'{"prompt": "Hi", "frequency_penalty": Infinity}',
+        400,
+        "frequency_penalty",
+    ),
+    # token ids outside the vocabulary
+    "prompt-id-past-vocab": (CMPL, {"prompt": [1, VOCAB]}, 400, "prompt"),
+    "prompt-id-negative": (CMPL, {"prompt": [-1, 5]}, 400, "prompt"),
+    "batched-prompt-id-past-vocab": (CMPL, {"prompt": [[1, 2], [3, VOCAB + 7]]}, 400, "prompt"),
+    "generate-input-id-past-vocab": (GEN, {"input_ids": [10**6]}, 400, ("input_ids", "prompt")),
+    "logit-bias-id-past-vocab": (CMPL, {"prompt": "Hi", "logit_bias": {str(VOCAB): 1.0}}, 400, "logit_bias"),
+    "logit-bias-id-past-vocab-chat": (
+        CHAT,
+        {"messages": MSG, "logit_bias": {"999999": 1}},
+        400,
+        "logit_bias",
+    ),
+    "logit-bias-key-not-an-id": (CMPL, {"prompt": "Hi", "logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
+    "logit-bias-value-range": (CMPL, {"prompt": "Hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    "stop-token-id-past-vocab": (CMPL, {"prompt": "Hi", "stop_token_ids": [VOCAB]}, 400, "stop_token_ids"),
+    # unknown parameters
+    "unknown-param": (CMPL, {"prompt": "Hi", "foo": 1}, 400, "foo"),
+    "unknown-param-chat": (CHAT, {"messages": MSG, "bar": True}, 400, "bar"),
+    "unknown-param-generate": (GEN, {"text": "Hi", "bogus": 1}, 400, "bogus"),
+    "unknown-sampling-param": (
+        GEN,
+        {"text": "Hi", "sampling_params": {"foo": 1}},
+        400,
+        "sampling_params.foo",
+    ),
+    # native sampling_params with values of the wrong type
+    "generate-wrong-type": (
+        GEN,
+        {"text": "Hi", "sampling_params": {"temperature": "hot"}},
+        400,
+        ("temperature", "sampling_params.temperature", "sampling_params"),
+    ),
+    "generate-logit-bias-key": (
+        GEN,
+        {"text": "Hi", "sampling_params": {"logit_bias": {"abc": 1}}},
+        400,
+        ("logit_bias", "sampling_params.logit_bias"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_request_is_refused_and_server_keeps_serving(server, case):
+    path, body, status, params = CASES[case]
+    check_error(post(server.url, path, body), status, params)
+    assert_still_serving(server.url)
+
+
+def test_vocab_size_is_the_one_the_cases_assume(server):
+    assert httpx.get(f"{server.url}/get_server_info", timeout=30).json()["vocab_size"] == VOCAB
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_unknown_model_is_404(server, path):
+    body = (
+        {"model": "no-such-model", "prompt": "Hi"}
+        if path == CMPL
+        else {"model": "no-such-model", "messages": MSG}
+    )
+    err = check_error(post(server.url, path, body), 404, "model", "no-such-model")
+    assert err["code"] == "model_not_found"
+    check_error(httpx.get(f"{server.url}/v1/models/no-such-model", timeout=30), 404, "model")
+    assert_still_serving(server.url)
+
+
+def test_prompt_longer_than_context_names_the_numbers(server):
+    ctx = httpx.get(f"{server.url}/get_server_info", timeout=30).json()["context_len"]
+    check_error(
+        post(server.url, CMPL, {"prompt": [42] * (ctx + 5), "max_tokens": 1}),
+        400,
+        "prompt",
+        str(ctx + 5),
+        str(ctx),
+    )
+    err = check_error(
+        post(server.url, CMPL, {"prompt": [42] * 10, "max_tokens": ctx}), 400, "max_tokens", str(ctx)
+    )
+    assert str(ctx - 10) in err["message"]  # says what would fit
+    assert_still_serving(server.url)
+
+
+def test_chat_max_tokens_zero_is_not_silently_one(server):
+    """max_tokens=0 is either refused naming max_tokens or honoured (no tokens); never turned into 1 token."""
+    r = post(server.url, CHAT, {"messages": MSG, "max_tokens": 0, "temperature": 0})
+    if r.status_code == 400:
+        check_error(r, 400, ("max_tokens", "max_completion_tokens"))
+    else:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 0, r.json()
+    assert_still_serving(server.url)
+
+
+def test_openai_client_sees_the_error_fields(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=60, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=None, prompt="Hi", temperature=-1)
+    assert bad.value.status_code == 400 and bad.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=MSG)
+    assert missing.value.code == "model_not_found" and missing.value.param == "model"
+    ok = client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=1)
+    assert ok.usage.completion_tokens == 1
+
+
+# ---------------------------------------------------------------------------------------------- a tiny KV pool
+@pytest.fixture(scope="module")
+def tiny_pool_server(tiny_llama, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tiny-pool") / "serve.log"
+    srv = ServerProcess(
+        [
+            "--model-path",
+            tiny_llama,
+            "--max-total-tokens",
+            "256",
+            "--context-length",
+            "2048",
+            "--max-running-requests",
+            "4",
+        ],
+        log,
+    )
+    try:
+        srv.wait_ready(timeout=180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_request_that_never_fits_the_pool_is_refused_with_numbers(tiny_pool_server):
+    url = tiny_pool_server.url
+    data = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    assert data["max_total_num_tokens"] == 256 and data["context_len"] == 2048
+    # fits the context (2048) but never the pool (256): refused up front, not queued forever
+    err = check_error(
+        post(url, CMPL, {"prompt": [5] * 300, "max_tokens": 8}), 400, ("prompt", "max_tokens"), "256"
+    )
+    assert "300" in err["message"]
+    err = check_error(
+        post(url, CMPL, {"prompt": [5] * 100, "max_tokens": 200}), 400, "max_tokens", "256", "300"
+    )
+    assert "156" in err["message"]  # the largest max_tokens that would fit
+    check_error(post(url, CHAT, {"messages": MSG, "max_tokens": 400}), 400, "max_tokens", "256")
+    resp = post(url, GEN, {"input_ids": [5] * 100, "sampling_params": {"max_new_tokens": 200}})
+    check_error(resp, 400, ("max_new_tokens", "max_tokens"), "256")
+    ok = post(url, CMPL, {"prompt": [5] * 100, "max_tokens": 100, "temperature": 0, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 100
+    integrity = httpx.get(f"{url}/get_server_info", timeout=30).json()["integrity"]
+    assert integrity["ok"] and integrity["in_use"] == 0
