@@ -27,5 +27,8 @@ lint: install
 bench: install
 	$(PY) benchmarks/bench_core.py
 
+soak: install
+	$(PY) benchmarks/soak.py --minutes 10
+
 clean:
 	rm -rf $(VENV)

@@ -126,7 +126,7 @@ def run_llama(model: Path, wls: list[Workload], tok, logdir: Path, timeout: floa
     return results, cmds
 
 
-def hf_baseline(model_path: str, wls: list[Workload], tok, max_requests: int) -> dict:
+def hf_baseline(model_path: str, wls: list[Workload], tok, max_requests: int, threads: int) -> dict:
     """transformers generate(), greedy, batch = concurrency, fixed output length; output tok/s per workload."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -134,7 +134,7 @@ def hf_baseline(model_path: str, wls: list[Workload], tok, max_requests: int) ->
     from kiln.bench.cli import register
     from kiln.bench.workloads import build_workload
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     d, f = os.path.dirname(model_path), os.path.basename(model_path)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     hf_tok = AutoTokenizer.from_pretrained(d, gguf_file=f, padding_side="left")
@@ -360,6 +360,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-md", type=Path, default=ROOT / "docs" / "benchmarks_compare.md")
     p.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
     p.add_argument("--hf-max-requests", type=int, default=32, help="requests per workload for transformers")
+    p.add_argument("--hf-threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="torch threads for transformers (default: all cores, like kiln serve)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one benchmark run may take")
     return p.parse_args(argv)
 
@@ -391,7 +393,9 @@ def collect(a: argparse.Namespace) -> dict:
         q = llama_cpp.binary("llama-quantize")
         data["commands"]["quantize"] = f"{q} {model} {llama_cpp.quantize(model, 'Q4_0')} Q4_0"
     if "transformers" in only:
-        data["runs"]["transformers generate()"] = hf_baseline(str(model), wls, tok, a.hf_max_requests)
+        data["runs"]["transformers generate()"] = hf_baseline(
+            str(model), wls, tok, a.hf_max_requests, a.hf_threads
+        )
     data["versions"]["load_average_end"] = " ".join(map(str, os.getloadavg()))
     return data
 

@@ -116,5 +116,21 @@ def server(tmp_path_factory):
     try:
         srv.wait_ready()
         yield srv
+        assert_pool_at_baseline(srv.url)
     finally:
         srv.stop()
+
+
+def assert_pool_at_baseline(url: str, timeout: float = 20.0) -> dict:
+    """No request holds KV or a table row, and free + cached + in use == total."""
+    deadline = time.time() + timeout
+    while True:
+        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+        integ = info["integrity"]
+        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and integ["in_use"] == 0
+        if (integ["ok"] and idle) or time.time() > deadline:
+            break
+        time.sleep(0.25)
+    assert integ["ok"], integ
+    assert idle, info
+    return integ

@@ -142,7 +142,7 @@ def test_reset() -> None:
     assert a.available_size() == 16
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(
     ps=st.sampled_from([1, 4, 16]),
     ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(0, 20)), max_size=40),
@@ -187,3 +187,30 @@ def test_req_to_token_pool() -> None:
         p.free(0)
     p.reset()
     assert p.available_size() == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ps", [1, 16])
+def test_allocator_and_radix_cache_on_cuda(ps: int) -> None:
+    from kiln.memory.radix_cache import RadixCache
+
+    a = TokenAllocator(64 * ps, page_size=ps, device="cuda", debug=True)
+    cache = RadixCache(a)
+    out = a.alloc_extend([0, 0], [-1, -1], [ps + 3, 2])
+    assert out is not None and out.device.type == "cuda" and out.dtype == torch.int64
+    first, second = out.split([ps + 3, 2])
+    _check_layout(first.tolist(), ps)
+    dec = a.alloc_decode([ps + 3, 2], [int(first[-1]), int(second[-1])])
+    assert dec is not None and dec.device.type == "cuda"
+    seq = torch.cat([first, dec[:1]])
+    _check_layout(seq.tolist(), ps)
+    key = list(range(seq.numel()))
+    assert cache.insert(key, seq) == 0
+    aligned = len(key) // ps * ps
+    a.free(seq[aligned:])
+    m = cache.match_prefix(key)
+    assert m.indices.device.type == "cuda" and m.indices.tolist() == seq[:aligned].tolist()
+    a.free(torch.cat([second, dec[1:]]))
+    cache.debug_check()
+    assert cache.evict(10**6) == aligned and a.available_size() == a.size

@@ -175,7 +175,12 @@ def test_no_prefix_cache() -> None:
     cache.lock(m.node)
     assert cache.insert(list(range(10)), slots) == 8  # caller frees all of its slots
     cache.unlock(m.node)
-    assert (cache.total_size(), cache.evictable_size(), cache.protected_size(), cache.evict(10)) == (0, 0, 0, 0)
+    assert (cache.total_size(), cache.evictable_size(), cache.protected_size(), cache.evict(10)) == (
+        0,
+        0,
+        0,
+        0,
+    )
     assert NoPrefixCache(page_size=1).insert([1, 2, 3], torch.arange(3)) == 3
     cache.reset()
 
@@ -232,7 +237,11 @@ class RadixMachine(RuleBasedStateMachine):
             if out is not None:
                 break
             if attempt == 0:
-                event("alloc short: evicted" if self.cache.evict(n + self.PAGE_SIZE) else "alloc short: none evictable")
+                event(
+                    "alloc short: evicted"
+                    if self.cache.evict(n + self.PAGE_SIZE)
+                    else "alloc short: none evictable"
+                )
         else:
             event("alloc failed after evict")
             return False
@@ -354,12 +363,14 @@ class RadixMachine(RuleBasedStateMachine):
                 node = node.parent
         assert self.cache.protected_size() == sum(locked_nodes.values())
 
+
 class RadixMachinePage4(RadixMachine):
     PAGE_SIZE = 4
     POOL_PAGES = 10
 
 
-_SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None, database=None)
+# 100 runs per page size (200 in all), each up to 40 steps: about 5 s per page size on this machine
+_SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None, database=None)
 TestRadixStateful = RadixMachine.TestCase
 TestRadixStateful.settings = _SETTINGS
 TestRadixStatefulPage4 = RadixMachinePage4.TestCase

@@ -103,23 +103,21 @@ class TokenAllocator:
         new_pages: list[int],
     ) -> torch.Tensor:
         ps, dev = self.page_size, self.device
-        ext = torch.tensor(extend_lens, dtype=_INT64, device=dev)
         total = int(sum(extend_lens))
-        pre = torch.tensor(prefix_lens, dtype=_INT64, device=dev)
-        last = torch.tensor(last_slots, dtype=_INT64, device=dev)
-        npg = torch.tensor(new_pages, dtype=_INT64, device=dev)
+        table = torch.tensor([extend_lens, prefix_lens, last_slots, new_pages], dtype=_INT64, device=dev)
+        ext, pre, last, npg = table.unbind(0)
         seq = torch.repeat_interleave(torch.arange(len(extend_lens), device=dev), ext, output_size=total)
         ext_start = torch.cumsum(ext, 0) - ext
-        offset = torch.arange(total, dtype=_INT64, device=dev) - ext_start[seq]
-        pos = pre[seq] + offset  # token position within its sequence
-        partial_end = ((pre + ps - 1) // ps * ps)[seq]  # first position that needs a fresh page
-        in_partial = pos < partial_end
-        slots = last[seq] + offset + 1
+        offset = torch.arange(total, dtype=_INT64, device=dev) - ext_start.index_select(0, seq)
+        pos = pre.index_select(0, seq) + offset  # token position within its sequence
+        partial_end = ((pre + ps - 1) // ps * ps).index_select(0, seq)  # first position needing a fresh page
+        slots = last.index_select(0, seq) + offset + 1
         if pages.numel():
-            page_start = (torch.cumsum(npg, 0) - npg)[seq]
-            page_idx = (page_start + (pos - partial_end).div(ps, rounding_mode="floor")).clamp_(min=0)
-            fresh = pages[page_idx.clamp_(max=pages.numel() - 1)] * ps + pos % ps
-            slots = torch.where(in_partial, slots, fresh)
+            page_start = (torch.cumsum(npg, 0) - npg).index_select(0, seq)
+            page_idx = page_start + (pos - partial_end).div(ps, rounding_mode="floor")
+            page_idx.clamp_(min=0, max=pages.numel() - 1)  # clamped entries are masked out below
+            fresh = pages.index_select(0, page_idx) * ps + pos % ps
+            slots = torch.where(pos < partial_end, slots, fresh)
         return slots
 
     def alloc_decode(self, seq_lens: list[int], last_slots: list[int]) -> torch.Tensor | None:
@@ -133,11 +131,9 @@ class TokenAllocator:
             return None
         if self.debug:
             self._check_last_slots(seq_lens, last_slots)
-        slots = torch.tensor(last_slots, dtype=_INT64, device=self.device) + 1
-        if pages.numel():
-            mask = torch.tensor(needs, dtype=torch.bool, device=self.device)
-            slots[mask] = pages * ps
-        return slots
+        fresh = iter((pages * ps).tolist())
+        slots = [next(fresh) if need else s + 1 for need, s in zip(needs, last_slots)]
+        return torch.tensor(slots, dtype=_INT64, device=self.device)
 
     def _check_last_slots(self, lens: list[int], last_slots: list[int]) -> None:
         ps = self.page_size

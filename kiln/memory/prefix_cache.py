@@ -66,8 +66,9 @@ class PrefixCache(ABC):
     def reset(self) -> None:
         """Free everything back to the allocator (nothing may be locked)."""
 
+    @abstractmethod
     def debug_check(self) -> None:
-        """Assert internal consistency (no-op unless the cache has state)."""
+        """Assert internal consistency (raises AssertionError naming what drifted)."""
 
 
 class NoPrefixCache(PrefixCache):
@@ -104,4 +105,7 @@ class NoPrefixCache(PrefixCache):
         return 0
 
     def reset(self) -> None:
+        pass
+
+    def debug_check(self) -> None:
         pass

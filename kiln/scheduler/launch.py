@@ -79,6 +79,11 @@ def plan(args: ServerArgs, model_config: ModelConfig, device: str) -> Ledger:
 def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None = None) -> EngineParts:
     phase = on_phase or (lambda name, info: None)
     args = args.with_defaults()
+    if args.tp_size > 1:
+        raise StartupRefused(
+            f"--tp-size {args.tp_size}: serving across several ranks is not available yet (the layers are "
+            f"tensor-parallel, the multi-process launch is not); `kiln plan --tp-size {args.tp_size}` plans such a "
+            f"deployment. Use --tp-size 1.")
     device = resolve_device(args)
     if device == "cpu":
         torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))

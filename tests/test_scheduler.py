@@ -1,0 +1,377 @@
+"""The Scheduler with a fake model: admission, chunked prefill, interleaved decode, retraction, aborts,
+prefill-only requests, and the KV integrity invariant after every step.
+
+The fake runner keeps a KV "pool" of (token, position) per slot. Each forward writes its tokens at their
+slots and computes the next token of every sequence from what it reads back through the request table, so
+a request whose table row, cached prefix or retraction went wrong gets a different output than the pure
+reference `expected()`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kiln.memory.allocator import TokenAllocator
+from kiln.memory.req_to_token import ReqToTokenPool
+from kiln.runner.forward_batch import ForwardBatch, ForwardMode
+from kiln.sampling_params import SamplingParams
+from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
+from kiln.scheduler.scheduler import Scheduler
+
+VOCAB = 1000
+EOS = VOCAB - 1  # never produced by next_token
+
+
+def next_token(seq: list[int]) -> int:
+    """The fake model: a position-weighted hash of the whole sequence (never EOS)."""
+    return (sum((i + 1) * t for i, t in enumerate(seq)) * 31 + len(seq)) % (VOCAB - 1)
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+class FakeTokenizer:
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" t{i}" for i in ids)
+
+
+class FakeRunner:
+    """What the Scheduler uses of a ModelRunner, over a pool that records (token, position) per slot."""
+
+    def __init__(self, pool: int, page_size: int, rows: int, context_len: int):
+        self.allocator = TokenAllocator(pool, page_size, debug=True)
+        self.table = ReqToTokenPool(rows + 1, context_len + 8)
+        self.model_config = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=(EOS,))
+        slots = (self.allocator.num_pages + 1) * page_size
+        self.tok = torch.full((slots,), -1, dtype=torch.int64)
+        self.pos = torch.full((slots,), -1, dtype=torch.int64)
+        self.last_forward_seconds = 1e-3
+        self.calls: list[tuple[ForwardMode, list[int]]] = []  # (mode, tokens per request)
+        self.errors: list[str] = []
+
+    def _read(self, slots: torch.Tensor) -> list[int]:
+        n = slots.numel()
+        if self.pos[slots].tolist() != list(range(n)):
+            self.errors.append(f"KV positions {self.pos[slots].tolist()} for a {n}-token sequence")
+        return self.tok[slots].tolist()
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        self.tok[fb.out_cache_loc] = fb.input_ids
+        self.pos[fb.out_cache_loc] = fb.positions
+        if fb.mode == ForwardMode.EXTEND:
+            self.calls.append((fb.mode, list(fb.extend_lens)))
+            seqs = [self._read(s) for s in fb.seq_slots]
+        else:
+            self.calls.append((fb.mode, [1] * fb.batch_size))
+            lens = (fb.positions + 1).tolist()
+            seqs = [self._read(fb.kv_table[b, :n]) for b, n in enumerate(lens)]
+        logits = torch.zeros(len(seqs), VOCAB)
+        for b, seq in enumerate(seqs):
+            logits[b, next_token(seq)] = 1.0
+        return logits
+
+
+def make(
+    pool: int = 4096,
+    page_size: int = 1,
+    max_running: int = 16,
+    chunk: int | None = None,
+    max_prefill: int = 16384,
+    radix: bool = True,
+    policy: str = "fcfs",
+    context_len: int = 2048,
+) -> Scheduler:
+    runner = FakeRunner(pool, page_size, max_running, context_len)
+    return Scheduler(
+        runner,  # type: ignore[arg-type]
+        FakeTokenizer(),
+        max_total_num_tokens=runner.allocator.size,
+        max_running_requests=max_running,
+        context_len=context_len,
+        chunked_prefill_size=chunk,
+        max_prefill_tokens=max_prefill,
+        page_size=page_size,
+        disable_radix_cache=not radix,
+        schedule_policy=policy,
+    )
+
+
+_rid = iter(range(10**9))
+
+
+def add(s: Scheduler, prompt: list[int], max_new: int = 8, **kw) -> str:
+    rid = f"r{next(_rid)}"
+    s.add_request(GenerateReq(rid, list(prompt), SamplingParams(max_new_tokens=max_new, temperature=0.0, **kw)))
+    return rid
+
+
+def check(s: Scheduler) -> dict:
+    rep = s.check_integrity()
+    assert rep["ok"], rep
+    assert not s.runner.errors, s.runner.errors[:3]
+    return rep
+
+
+def step(s: Scheduler, outs: dict[str, list[ReqOutput]]) -> None:
+    for o in s.step():
+        outs[o.rid].append(o)
+    check(s)
+    assert len(s.running) <= s.max_running_requests
+
+
+def drive(s: Scheduler, outs: dict | None = None, max_steps: int = 20000) -> dict[str, list[ReqOutput]]:
+    """Step until idle, checking integrity after every step; the outputs per request id."""
+    outs = outs if outs is not None else defaultdict(list)
+    for _ in range(max_steps):
+        step(s, outs)
+        if not s.has_work:
+            break
+    else:
+        raise AssertionError("the scheduler did not go idle")
+    rep = check(s)
+    assert rep["in_use"] == 0 and rep["free"] + rep["cached"] == rep["total"], rep
+    assert s.runner.table.available_size() == s.runner.table.size
+    return outs
+
+
+def ids(outs: list[ReqOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_ids]
+
+
+def final(outs: list[ReqOutput]) -> ReqOutput:
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    return outs[-1]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % (VOCAB - 1) for i in range(n)]
+
+
+def extends(s: Scheduler) -> list[list[int]]:
+    return [lens for mode, lens in s.runner.calls if mode == ForwardMode.EXTEND]
+
+
+# ---------------------------------------------------------------- outputs
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("radix", [True, False])
+def test_outputs_follow_the_model(ps: int, radix: bool) -> None:
+    s = make(page_size=ps, radix=radix)
+    prompts = [prompt(n, n) for n in (1, 3, 8, 17, 40)]
+    rids = [add(s, p, max_new=10) for p in prompts]
+    outs = drive(s)
+    for rid, p in zip(rids, prompts):
+        assert ids(outs[rid]) == expected(p, 10)
+        f = final(outs[rid])
+        assert f.finish_reason == {"type": "length", "length": 10}
+        assert (f.prompt_tokens, f.completion_tokens) == (len(p), 10)
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_cached_prefix_is_reused(ps: int) -> None:
+    s = make(page_size=ps)
+    p = prompt(30, 1)
+    a = add(s, p)
+    first = drive(s)
+    assert ids(first[a]) == expected(p, 8) and final(first[a]).cached_tokens == 0
+    q = p + expected(p, 7) + [5]  # a's prompt and the 7 outputs that have KV, then new
+    b = add(s, q)
+    second = drive(s)
+    hit = 37 // ps * ps
+    assert final(second[b]).cached_tokens == hit
+    assert extends(s)[-1] == [38 - hit]
+    assert ids(second[b]) == expected(q, 8)
+
+
+# ---------------------------------------------------------------- admission
+
+
+def test_prefill_batch_respects_max_prefill_tokens() -> None:
+    s = make(max_prefill=100)
+    rids = [add(s, prompt(40, k)) for k in range(3)] + [add(s, prompt(150, 9))]
+    outs = drive(s)
+    first_extends = [e for e in extends(s)]
+    assert first_extends[0] == [40, 40], first_extends  # a third 40 would pass the 100-token budget
+    assert [150] in first_extends  # a prompt over the budget still runs, alone
+    assert all(sum(e) <= 100 or len(e) == 1 for e in first_extends)
+    assert all(final(outs[r]).completion_tokens == 8 for r in rids)
+
+
+def test_max_running_requests_caps_the_batch() -> None:
+    s = make(max_running=3)
+    prompts = [prompt(5 + k, k) for k in range(7)]
+    rids = [add(s, p, max_new=6) for p in prompts]
+    outs = drive(s)
+    assert max(len(lens) for _, lens in s.runner.calls) <= 3
+    for rid, p in zip(rids, prompts):
+        assert ids(outs[rid]) == expected(p, 6)
+
+
+def test_admission_counts_the_kv_each_request_will_need() -> None:
+    # 256-token pool; each request needs 50 prompt + 50 new tokens: two fit, the third must wait
+    s = make(pool=256)
+    prompts = [prompt(50, k) for k in range(3)]
+    rids = [add(s, p, max_new=50) for p in prompts]
+    outs = defaultdict(list)
+    step(s, outs)
+    assert extends(s) == [[50, 50]] and len(s.waiting) == 1
+    drive(s, outs)
+    for rid, p in zip(rids, prompts):
+        assert ids(outs[rid]) == expected(p, 50)
+
+
+# ---------------------------------------------------------------- chunked prefill
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("radix", [True, False])
+def test_long_prompt_is_prefilled_in_chunks(ps: int, radix: bool) -> None:
+    s = make(chunk=64, page_size=ps, radix=radix)
+    p = prompt(300, 3)
+    rid = add(s, p)
+    outs = drive(s)
+    assert extends(s) == [[64], [64], [64], [64], [44]]
+    assert ids(outs[rid]) == expected(p, 8)
+
+
+def test_decodes_continue_between_chunks() -> None:
+    s = make(chunk=64)
+    short, long_ = prompt(5, 1), prompt(300, 2)
+    a = add(s, short, max_new=30)
+    outs = defaultdict(list)
+    step(s, outs)  # a is prefilled and decoding
+    b = add(s, long_, max_new=4)
+    drive(s, outs)
+    modes = [(m.value, sum(lens)) for m, lens in s.runner.calls]
+    chunks = [i for i, (m, _) in enumerate(modes) if m == "extend"][1:]
+    assert [modes[i][1] for i in chunks] == [64, 64, 64, 64, 44]
+    for i, j in zip(chunks, chunks[1:]):
+        assert "decode" in [m for m, _ in modes[i + 1 : j]], f"no decode between chunks: {modes}"
+    assert ids(outs[a]) == expected(short, 30) and ids(outs[b]) == expected(long_, 4)
+
+
+def test_chunks_of_a_prompt_share_the_budget_with_new_requests() -> None:
+    s = make(chunk=64)
+    rids = [add(s, prompt(100, 1)), add(s, prompt(20, 2)), add(s, prompt(20, 3))]
+    outs = drive(s)
+    assert extends(s)[0] == [64]  # the long prompt takes the whole first chunk budget
+    assert all(sum(e) <= 64 for e in extends(s))
+    for rid, n, k in zip(rids, (100, 20, 20), (1, 2, 3)):
+        assert ids(outs[rid]) == expected(prompt(n, k), 8)
+
+
+# ---------------------------------------------------------------- retraction
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("radix", [True, False])
+def test_retraction_under_a_tiny_pool_keeps_every_request(ps: int, radix: bool) -> None:
+    s = make(pool=160, page_size=ps, radix=radix, max_running=8)
+    prompts = [prompt(10 + k, k) for k in range(8)]
+    rids = [add(s, p, max_new=40) for p in prompts]
+    outs = drive(s)
+    assert s.stats["retracted"] > 0
+    assert sum(final(outs[r]).num_retractions for r in rids) == s.stats["retracted"]
+    for rid, p in zip(rids, prompts):
+        assert final(outs[rid]).finish_reason == {"type": "length", "length": 40}
+        assert ids(outs[rid]) == expected(p, 40)
+
+
+# ---------------------------------------------------------------- aborts and prefill-only
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_abort_all_frees_everything(radix: bool) -> None:
+    s = make(pool=512, chunk=32, radix=radix, max_running=4)
+    rids = [add(s, prompt(10, k), max_new=50) for k in range(3)] + [add(s, prompt(200, 7))]
+    rids += [add(s, prompt(10, 10 + k)) for k in range(4)]  # beyond max_running: waiting
+    outs = defaultdict(list)
+    for _ in range(6):
+        step(s, outs)
+    assert s.running and s.chunked is not None and s.waiting
+    s.abort(AbortReq(abort_all=True))
+    drive(s, outs)
+    for rid in rids:
+        assert final(outs[rid]).finish_reason["type"] == "abort"
+    assert s.stats["aborted"] == len(rids)
+
+
+def test_abort_one_request_leaves_the_others() -> None:
+    s = make()
+    p = [prompt(12, k) for k in range(3)]
+    rids = [add(s, x, max_new=20) for x in p]
+    outs = defaultdict(list)
+    for _ in range(4):
+        step(s, outs)
+    s.abort(AbortReq(rid=rids[1]))
+    s.abort(AbortReq(rid="no-such-request"))
+    drive(s, outs)
+    assert final(outs[rids[1]]).finish_reason["type"] == "abort"
+    assert ids(outs[rids[0]]) == expected(p[0], 20) and ids(outs[rids[2]]) == expected(p[2], 20)
+
+
+def test_max_new_tokens_zero_is_prefill_only() -> None:
+    s = make()
+    p = prompt(40, 5)
+    rid = add(s, p, max_new=0)
+    outs = drive(s)
+    f = final(outs[rid])
+    assert ids(outs[rid]) == [] and f.finish_reason == {"type": "length", "length": 0}
+    assert [m for m, _ in s.runner.calls] == [ForwardMode.EXTEND]
+    rid2 = add(s, p, max_new=3)
+    outs = drive(s)
+    assert final(outs[rid2]).cached_tokens == 39 and ids(outs[rid2]) == expected(p, 3)
+
+
+def test_invalid_request_is_answered_not_queued() -> None:
+    s = make()
+    rid = add(s, [VOCAB + 5])
+    outs = drive(s)
+    f = final(outs[rid])
+    assert f.finish_reason["type"] == "abort" and "vocabulary" in f.error
+    assert not s.runner.calls
+
+
+# ---------------------------------------------------------------- random workloads
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 24), st.integers(0, 3)), min_size=1, max_size=10),
+    pool=st.integers(120, 400),
+    ps=st.sampled_from([1, 4]),
+    chunk=st.sampled_from([None, 16, 48]),
+    radix=st.booleans(),
+    policy=st.sampled_from(["fcfs", "lpm"]),
+    stagger=st.integers(0, 3),
+)
+def test_random_workloads_finish_correctly(lens, pool, ps, chunk, radix, policy, stagger) -> None:
+    """Any mix of prompt lengths, shared prefixes, pool sizes and arrival times: every request finishes with
+    the model's tokens, none is dropped, and the pool is whole after every step."""
+    s = make(pool=pool, page_size=ps, chunk=chunk, radix=radix, policy=policy, max_running=6)
+    shared = prompt(32, 99)
+    outs: dict[str, list[ReqOutput]] = defaultdict(list)
+    want = {}
+    for n, new, pre in lens:
+        p = shared[: pre * 10] + prompt(n, n + new)
+        want[add(s, p, max_new=new)] = expected(p, new)
+        for _ in range(stagger):
+            step(s, outs)
+    drive(s, outs)
+    for rid, w in want.items():
+        f = final(outs[rid])
+        assert f.finish_reason["type"] == "length", f
+        assert ids(outs[rid]) == w
