@@ -64,7 +64,8 @@ def workloads(quick: bool) -> list[Workload]:
 def bench_argv(base_url: str, w: Workload, timeout: float) -> list[str]:
     return [
         "bench", "serve", "--backend", "openai", "--base-url", base_url, "--max-concurrency", str(w.concurrency),
-        "--request-timeout", str(timeout), "--total-timeout", str(timeout), "--disable-tqdm", *w.flags,
+        "--request-timeout", str(timeout), "--total-timeout", str(timeout), "--warmup-requests", "0",
+        "--disable-tqdm", *w.flags,
     ]  # fmt: skip
 
 
@@ -89,6 +90,15 @@ def run_bench(argv: list[str], tok) -> dict:
     return m
 
 
+def warm_up(url: str, timeout: float = 600.0) -> None:
+    """One short request on a prompt no workload uses, so no benchmark prompt is cached beforehand."""
+    import httpx
+
+    body = {"prompt": "Warm-up: list three colours.", "max_tokens": 8, "temperature": 0.0, "stream": False}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, trust_env=False)
+    resp.raise_for_status()
+
+
 def free_port() -> int:
     import socket
 
@@ -97,16 +107,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_kiln(wls: list[Workload], tok, logdir: Path, timeout: float) -> tuple[dict, str]:
+def run_kiln(wls: list[Workload], tok, logdir: Path, timeout: float, flags: list[str]) -> tuple[dict, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kiln.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *KILN_FLAGS]
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
     results = {}
     with llama_cpp.running(cmd, url, logdir / "kiln-serve.log"):
+        warm_up(url)
         for w in wls:
             print(f"== kiln: {w.name}", flush=True)
             results[w.name] = run_bench(bench_argv(url, w, timeout), tok)
-    return results, "kiln serve --host 127.0.0.1 --port PORT " + " ".join(KILN_FLAGS)
+    return results, "kiln serve --host 127.0.0.1 --port PORT " + " ".join(flags)
 
 
 def run_llama(model: Path, wls: list[Workload], tok, logdir: Path, timeout: float) -> tuple[dict, list[str]]:
@@ -120,6 +131,7 @@ def run_llama(model: Path, wls: list[Workload], tok, logdir: Path, timeout: floa
         cmd = llama_cpp.server_command(model, port, conc, conc * per_slot)
         cmds.append(" ".join(cmd).replace(str(port), "PORT"))
         with llama_cpp.running(cmd, url, logdir / f"llama-server-{model.stem}-p{conc}.log"):
+            warm_up(url)
             for w in group:
                 print(f"== llama-server {model.name}: {w.name}", flush=True)
                 results[w.name] = run_bench(bench_argv(url, w, timeout), tok)
@@ -354,6 +366,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a short smoke run (few short requests)")
     p.add_argument("--only", default="kiln,llama-shipped,llama-q4_0,transformers",
                    help="comma-separated subset of kiln, llama-shipped, llama-q4_0, transformers")  # fmt: skip
+    p.add_argument("--kiln-arg", action="append", default=[], help="extra `kiln serve` argument, repeatable")
     p.add_argument("--model-path", default=None, help="GGUF to serve (default: Kiln's default model)")
     p.add_argument("--results", type=Path, default=RESULTS, help="raw results JSON (written, or read)")
     p.add_argument("--render-only", action="store_true", help="re-render the docs from --results")
@@ -381,7 +394,9 @@ def collect(a: argparse.Namespace) -> dict:
     data: dict = {"quick": a.quick, "versions": versions(), "workloads": [asdict(w) for w in wls]}
     data["model"], data["runs"], data["commands"] = str(model), {}, {}
     if "kiln" in only:
-        data["runs"]["Kiln"], data["commands"]["Kiln"] = run_kiln(wls, tok, logdir, a.timeout)
+        data["runs"]["Kiln"], data["commands"]["Kiln"] = run_kiln(
+            wls, tok, logdir, a.timeout, KILN_FLAGS + a.kiln_arg
+        )
     for key, label, qtype in (
         ("llama-shipped", "llama.cpp (shipped GGUF)", None),
         ("llama-q4_0", "llama.cpp Q4_0", "Q4_0"),

@@ -72,6 +72,8 @@ class SamplingParams:
                 ok = False
             if not ok:
                 raise InvalidParam(name, f"{name}={value!r} {msg}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidParam("seed", f"seed={self.seed} must fit in 64 bits")
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidParam("min_new_tokens", "min_new_tokens must be <= max_new_tokens")
         if vocab_size is not None:

@@ -16,12 +16,18 @@ def wait(url: str, timeout: float, interval: float = 0.5, quiet: bool = False) -
     url = url.rstrip("/")
     deadline = time.time() + timeout
     bar = tqdm(total=len(PHASES) - 1, desc="waiting for the server", disable=quiet, unit="phase")
-    last_phase = None
+    last_phase, misses = None, 0
     try:
         while time.time() < deadline:
             try:
                 status = httpx.get(f"{url}/status", timeout=5).json()
+                misses = 0
             except (httpx.HTTPError, ValueError):
+                misses += 1
+                if last_phase is not None and misses >= 3:  # it answered before: it went away
+                    bar.close()
+                    print(f"kiln wait: the server went away during phase {last_phase}", file=sys.stderr)
+                    return 1
                 bar.set_description("waiting for the server (not answering yet)")
                 time.sleep(interval)
                 continue

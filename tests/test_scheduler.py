@@ -279,15 +279,28 @@ def test_chunks_of_a_prompt_share_the_budget_with_new_requests() -> None:
 @pytest.mark.parametrize("ps", [1, 4])
 @pytest.mark.parametrize("radix", [True, False])
 def test_retraction_under_a_tiny_pool_keeps_every_request(ps: int, radix: bool) -> None:
-    s = make(pool=160, page_size=ps, radix=radix, max_running=8)
+    s = make(pool=256, page_size=ps, radix=radix, max_running=8)
     prompts = [prompt(10 + k, k) for k in range(8)]
-    rids = [add(s, p, max_new=40) for p in prompts]
+    rids = [add(s, p, max_new=64) for p in prompts]
     outs = drive(s)
     assert s.stats["retracted"] > 0
     assert sum(final(outs[r]).num_retractions for r in rids) == s.stats["retracted"]
     for rid, p in zip(rids, prompts):
-        assert final(outs[rid]).finish_reason == {"type": "length", "length": 40}
-        assert ids(outs[rid]) == expected(p, 40)
+        assert final(outs[rid]).finish_reason == {"type": "length", "length": 64}
+        assert ids(outs[rid]) == expected(p, 64)
+
+
+def test_a_stalled_chunked_prompt_does_not_drop_the_decoding_request() -> None:
+    """One long decode and a prompt admitted chunk by chunk beside it. The prompt's later chunks no longer
+    pass admission (the decode's reservation), so it stalls holding its first chunks; when the pool runs dry
+    the only running request must not be aborted for lack of memory, and the step must not crash."""
+    s = make(pool=64, chunk=8)
+    a = add(s, [5], max_new=60)
+    p = prompt(20, 3)
+    b = add(s, p, max_new=1)
+    outs = drive(s)
+    assert final(outs[a]).finish_reason == {"type": "length", "length": 60}
+    assert ids(outs[a]) == expected([5], 60) and ids(outs[b]) == expected(p, 1)
 
 
 # ---------------------------------------------------------------- aborts and prefill-only
@@ -348,7 +361,7 @@ def test_invalid_request_is_answered_not_queued() -> None:
 # ---------------------------------------------------------------- random workloads
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     lens=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 24), st.integers(0, 3)), min_size=1, max_size=10),
     pool=st.integers(120, 400),

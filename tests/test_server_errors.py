@@ -3,6 +3,9 @@ server keeps serving (a good request right after succeeds)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -198,21 +201,32 @@ def test_openai_client_sees_the_error_fields(server):
 
 
 # ---------------------------------------------------------------------------------------------- a tiny KV pool
+TINY_POOL = ["--max-total-tokens", "256", "--max-running-requests", "4"]
+
+
+def test_pool_smaller_than_context_is_a_valid_setup(tiny_llama):
+    """As in SGLang, a KV pool smaller than the context length is allowed: requests that cannot fit the pool are
+    refused one by one (below), the server itself starts."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.cli",
+        "plan",
+        "--model-path",
+        tiny_llama,
+        *TINY_POOL,
+        "--context-length",
+        "2048",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-1500:]
+
+
 @pytest.fixture(scope="module")
 def tiny_pool_server(tiny_llama, tmp_path_factory):
-    log = tmp_path_factory.mktemp("tiny-pool") / "serve.log"
+    """A 256-token KV pool under the tiny model's 4096-token context."""
     srv = ServerProcess(
-        [
-            "--model-path",
-            tiny_llama,
-            "--max-total-tokens",
-            "256",
-            "--context-length",
-            "2048",
-            "--max-running-requests",
-            "4",
-        ],
-        log,
+        ["--model-path", tiny_llama, *TINY_POOL], tmp_path_factory.mktemp("tiny-pool") / "serve.log"
     )
     try:
         srv.wait_ready(timeout=180)
@@ -224,8 +238,8 @@ def tiny_pool_server(tiny_llama, tmp_path_factory):
 def test_request_that_never_fits_the_pool_is_refused_with_numbers(tiny_pool_server):
     url = tiny_pool_server.url
     data = httpx.get(f"{url}/get_server_info", timeout=30).json()
-    assert data["max_total_num_tokens"] == 256 and data["context_len"] == 2048
-    # fits the context (2048) but never the pool (256): refused up front, not queued forever
+    assert data["max_total_num_tokens"] == 256 and data["context_len"] > 300
+    # fits the context but never the pool: refused up front with the numbers, not queued forever
     err = check_error(
         post(url, CMPL, {"prompt": [5] * 300, "max_tokens": 8}), 400, ("prompt", "max_tokens"), "256"
     )

@@ -61,6 +61,7 @@ class ReqOutput:
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     num_retractions: int = 0
+    queue_time: float | None = None  # seconds from arrival to first admission, on the first output only
     error: str | None = None  # set for requests that failed inside the engine (a 500 for that request alone)
 
 

@@ -83,7 +83,8 @@ def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None 
         raise StartupRefused(
             f"--tp-size {args.tp_size}: serving across several ranks is not available yet (the layers are "
             f"tensor-parallel, the multi-process launch is not); `kiln plan --tp-size {args.tp_size}` plans such a "
-            f"deployment. Use --tp-size 1.")
+            f"deployment. Use --tp-size 1."
+        )
     device = resolve_device(args)
     if device == "cpu":
         torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))

@@ -60,8 +60,9 @@ class OutputProcessor:
             logprobs=req.pending_logprobs or None,
             num_retractions=req.num_retractions,
             error=req.error,
+            queue_time=req.queue_time,
         )
-        req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
+        req.pending_ids, req.pending_text, req.pending_logprobs, req.queue_time = [], "", [], None
         return out
 
     @staticmethod

@@ -3,6 +3,7 @@ KV pool (free + evictable, minus what running requests are expected to still dec
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from kiln.scheduler.kv import KVManager
@@ -63,6 +64,7 @@ class PrefillAdder:
             return False
         if not req.admitted:
             req.admitted, req.cached_tokens = True, req.cached_len
+            req.queue_time = time.time() - req.created
         b.reqs.append(req)
         b.rem_total -= expected
         b.rem_input -= ext

@@ -42,6 +42,7 @@ class Req:
         self.finish_reason: dict | None = None
         self.error: str | None = None
         self.created = time.time()
+        self.queue_time: float | None = None  # set at first admission, reported once
         # outputs not yet sent
         self.pending_ids: list[int] = []
         self.pending_text = ""

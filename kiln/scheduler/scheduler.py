@@ -214,6 +214,8 @@ class Scheduler:
     def _run_decode(self) -> None:
         if not self.kv.decode_fits(len(self.running)):
             self._retract()
+        if not self.running:
+            return
         slots = self.kv.alloc_decode(self.running)
         if slots is None:
             return
@@ -284,6 +286,10 @@ class Scheduler:
         self.reqs.pop(req.rid, None)
         self.stats["cached_tokens"] += req.cached_tokens
         self.outbox.append(self.out.flush_output(req))
+
+    def fail_all(self, error: str) -> None:
+        for r in list(self.reqs.values()):
+            self._finish_abort(r, "internal error", error=error)
 
     def _fail_batch(self, reqs: list[Req], exc: Exception) -> None:
         logger.exception(f"forward failed for {len(reqs)} request(s): {exc!r}")

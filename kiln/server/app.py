@@ -48,21 +48,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Kiln")
     app.state.kiln = state
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        if state.shutting_down and request.url.path in GENERATION_PATHS:
-            return _err(503, "the server is shutting down", None, "unavailable")
-        key = state.args.api_key
-        if key and request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {key}":
-                return _err(
-                    401,
-                    "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                    None,
-                    "authentication_error",
-                    "invalid_api_key",
-                )
-        return await call_next(request)
+    app.add_middleware(GateMiddleware, state=state)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -181,12 +167,14 @@ def create_app(state: ServerState) -> FastAPI:
         return await serving().generate(await _body(request, GenerateRequest), request)
 
     # ---------------------------------------------------------------- control
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         out = await serving().client.control("flush_cache")
         if out.ok:
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["POST"], operation_id="flush_cache_post")
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET"], operation_id="flush_cache_get")
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -205,13 +193,47 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await request.json()
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except json.JSONDecodeError as e:
+            raise InvalidParam("body", f"malformed JSON body: {e}") from None
         if not isinstance(body, dict) or ("rid" not in body and not body.get("abort_all")):
             raise InvalidParam("rid", "give rid or abort_all: true")
         serving().client.abort(body.get("rid"), bool(body.get("abort_all")))
         return {"success": True}
 
     return app
+
+
+class GateMiddleware:
+    """Plain ASGI (so client disconnects still reach the handlers): 503 for generation while shutting down,
+    401 without the API key (probes and /metrics stay open)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope.get("path", "")
+            refusal = None
+            if self.state.shutting_down and path in GENERATION_PATHS:
+                refusal = _err(503, "the server is shutting down", None, "unavailable")
+            key = self.state.args.api_key
+            if refusal is None and key and path not in OPEN_PATHS:
+                headers = dict(scope.get("headers") or [])
+                if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {key}":
+                    refusal = _err(
+                        401,
+                        "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                        None,
+                        "authentication_error",
+                        "invalid_api_key",
+                    )
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def _model_card(state: ServerState) -> dict:

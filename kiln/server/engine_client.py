@@ -68,8 +68,6 @@ class EngineClient:
     ) -> AsyncIterator[ReqOutput]:
         """Yields the request's outputs until it finishes; aborts it if the consumer stops early."""
         rid = rid or uuid.uuid4().hex
-        if rid in self.queues:
-            raise ValueError(f"request id {rid!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
         finished = False
@@ -81,6 +79,8 @@ class EngineClient:
                 finished = out.finished
                 if self.metrics is not None:
                     now = time.time()
+                    if out.queue_time is not None:
+                        self.metrics.queue.observe(out.queue_time)
                     if out.new_ids and first is None:
                         first = now
                     self.metrics.observe_output(

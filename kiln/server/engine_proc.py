@@ -7,11 +7,13 @@ import os
 import signal
 import time
 import traceback
+import uuid
 
 import zmq
 
 from kiln.config import ServerArgs
 from kiln.scheduler.io import AbortReq, BatchOut, ControlOut, ControlReq, GenerateReq
+from kiln.scheduler.output import OutputProcessor
 from kiln.server.logs import configure_logging
 
 logger = logging.getLogger("kiln")
@@ -100,13 +102,37 @@ class EngineLoop:
                     except zmq.Again:
                         break
                     self.handle(msg)
-            outs = self.sched.step() if self.sched.has_work or self.sched.outbox else []
+            outs = self._step() if self.sched.has_work or self.sched.outbox else []
             now = time.time()
             if outs or now - last_sent >= HEARTBEAT_SECONDS:  # an empty batch is the heartbeat
                 self.send.send_pyobj(BatchOut(outs, self.sched.gauges()))
                 last_sent = now
 
+    def _step(self) -> list:
+        try:
+            return self.sched.step()
+        except Exception as e:  # a scheduler bug fails the requests in flight, never the engine
+            eid = uuid.uuid4().hex[:12]
+            logger.exception(f"engine error {eid} in a scheduler step: {e!r}")
+            self.sched.fail_all(f"internal error {eid}: {type(e).__name__}: {e}")
+            out, self.sched.outbox = self.sched.outbox, []
+            return out
+
     def handle(self, msg) -> None:
+        try:
+            self._handle(msg)
+        except Exception as e:  # one bad message fails its request, never the engine
+            eid = uuid.uuid4().hex[:12]
+            logger.exception(f"engine error {eid} handling {type(msg).__name__}: {e!r}")
+            if isinstance(msg, GenerateReq):
+                self.sched.stats["failed"] += 1
+                self.sched.outbox.append(
+                    OutputProcessor.error_output(
+                        msg.rid, len(msg.input_ids), f"internal error {eid}: {type(e).__name__}: {e}"
+                    )
+                )
+
+    def _handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
             self.sched.add_request(msg)
         elif isinstance(msg, AbortReq):

@@ -26,6 +26,7 @@ from kiln.server.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kiln")
 WARMUP_PROMPT = "The capital city of France is"
+DIE_GRACE_SECONDS = 3.0
 
 
 class _Server(uvicorn.Server):
@@ -77,7 +78,13 @@ class Launcher:
                 if not self.proc.is_alive():
                     self.die(f"the engine process exited with code {self.proc.exitcode} during {st.phase}")
                     return None
-                if time.time() - last_event > self.args.watchdog_timeout:
+                # spawning the engine and importing torch is slow on a busy machine: launching gets its own allowance
+                limit = (
+                    self.args.watchdog_timeout
+                    if st.phase != "launching"
+                    else max(self.args.watchdog_timeout, 120)
+                )
+                if time.time() - last_event > limit:
                     self.die(
                         f"phase {st.phase} made no progress for {self.args.watchdog_timeout:.0f} s "
                         f"(--watchdog-timeout)",
@@ -201,8 +208,11 @@ class Launcher:
         logger.error(f"Kiln failed: {reason}" + (f" ({hint})" if hint else ""))
         self.state.startup.fail(reason, hint)
         self.exit_code = 1
-        if self.server is not None:
-            self.server.should_exit = True
+        if self.server is not None:  # keep /status answering briefly so `kiln wait` can read the reason
+            if self.server.loop is not None:
+                self.server.loop.call_later(DIE_GRACE_SECONDS, setattr, self.server, "should_exit", True)
+            else:
+                self.server.should_exit = True
 
     def stop_engine(self) -> None:
         if self.proc is not None and self.proc.is_alive():

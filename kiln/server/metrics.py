@@ -62,6 +62,9 @@ class Metrics:
         self.e2e = Histogram(
             "kiln:e2e_request_latency_seconds", "request latency end to end", buckets=_LAT, registry=r
         )
+        self.queue = Histogram(
+            "kiln:queue_time_seconds", "time from arrival to the first prefill step", buckets=_LAT, registry=r
+        )
         self.requests = Counter("kiln:num_requests_total", "requests finished", ["finish_reason"], registry=r)
         self.rejected = Counter(
             "kiln:num_rejected_requests_total", "requests refused with 429 (queue full)", registry=r

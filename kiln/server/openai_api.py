@@ -37,6 +37,7 @@ class Job:
     index: int
     input_ids: list[int]
     params: SamplingParams
+    rid: str | None = None
 
 
 def sse(obj) -> str:
@@ -65,7 +66,24 @@ class OpenAIServing:
             raise ModelNotFound(name, self.model_name)
 
     # ------------------------------------------------------------------ building jobs
-    def _jobs(self, prompts: list[list[int]], params: SamplingParams, default_max: int | None) -> list[Job]:
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidParam(
+                param, f"{param} is not valid UTF-8 text: {e.reason} at position {e.start}"
+            ) from None
+        return list(self.tokenizer.encode(text))
+
+    def _jobs(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        default_max: int | None,
+        rid: str | list[str] | None = None,
+    ) -> list[Job]:
+        if not prompts:
+            raise InvalidParam("prompt", "the prompt is empty: send at least one prompt")
         jobs = []
         for i, ids in enumerate(prompts):
             p = SamplingParams(**{**params.__dict__})
@@ -75,20 +93,35 @@ class OpenAIServing:
                 )
             validate_request(ids, p, self.limits)
             jobs.extend(Job(i, ids, p) for _ in range(p.n))
+        self._assign_rids(jobs, rid)
         active = self.client.num_active
         if self.max_in_flight is not None and active + len(jobs) > self.max_in_flight:
             raise QueueFull(active, self.max_in_flight)
         return jobs
 
+    def _assign_rids(self, jobs: list[Job], rid: str | list[str] | None) -> None:
+        """A client's request id names its request (for /abort_request); several generations get -k suffixes."""
+        if rid is None:
+            return
+        rids = [rid] if isinstance(rid, str) else list(rid)
+        if len(rids) == 1 and len(jobs) > 1:
+            rids = [f"{rids[0]}-{k}" for k in range(len(jobs))]
+        if len(rids) != len(jobs):
+            raise InvalidParam("rid", f"got {len(rids)} request ids for {len(jobs)} generations")
+        for job, r in zip(jobs, rids):
+            if r in self.client.queues:
+                raise InvalidParam("rid", f"request id {r!r} is already in use")
+            job.rid = r
+
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [self.encode(prompt)]
         if not prompt:
             raise InvalidParam("prompt", "the prompt is empty")
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return [self.tokenizer.encode(p) for p in prompt]
+            return [self.encode(p) for p in prompt]
         return [list(p) for p in prompt]
 
     # ------------------------------------------------------------------ running jobs
@@ -107,7 +140,7 @@ class OpenAIServing:
         await self._warm_prefixes(jobs)
         deadline = self._deadline()
         gather = asyncio.ensure_future(
-            asyncio.gather(*(self.client.collect(j.input_ids, j.params, deadline=deadline) for j in jobs))
+            asyncio.gather(*(self.client.collect(j.input_ids, j.params, j.rid, deadline) for j in jobs))
         )
         while not gather.done():
             done, _ = await asyncio.wait({gather}, timeout=0.25)
@@ -122,7 +155,7 @@ class OpenAIServing:
         deadline = self._deadline()
 
         async def pump(k: int, job: Job) -> None:
-            async for out in self.client.generate(job.input_ids, job.params, stream=True, deadline=deadline):
+            async for out in self.client.generate(job.input_ids, job.params, True, job.rid, deadline):
                 queue.put_nowait((k, out))
 
         tasks = [asyncio.ensure_future(pump(k, j)) for k, j in enumerate(jobs)]
@@ -146,7 +179,7 @@ class OpenAIServing:
             req.max_tokens if req.max_tokens is not None else 16, want_lp, req.logprobs or 0
         )
         prompts = self._completion_prompts(req.prompt)
-        jobs = self._jobs(prompts, params, req.max_tokens if req.max_tokens is not None else 16)
+        jobs = self._jobs(prompts, params, req.max_tokens if req.max_tokens is not None else 16, req.rid)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if req.stream:
@@ -184,6 +217,11 @@ class OpenAIServing:
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        for i, m in enumerate(msgs):
+            try:
+                m["content"].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidParam(f"messages.{i}.content", f"not valid UTF-8 text: {e.reason}") from None
         try:
             return apply_chat_template(self.tokenizer, msgs, **(req.chat_template_kwargs or {}))
         except ValueError as e:
@@ -196,7 +234,7 @@ class OpenAIServing:
         if top and not req.logprobs:
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
         params = req.sampling_params(max_tokens or 1, req.logprobs, top)
-        jobs = self._jobs([self._chat_prompt(req)], params, max_tokens)
+        jobs = self._jobs([self._chat_prompt(req)], params, max_tokens, req.rid)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._sse(self._chat_stream(jobs, base, req))
@@ -253,11 +291,11 @@ class OpenAIServing:
         )
         if req.text is not None:
             texts = [req.text] if isinstance(req.text, str) else req.text
-            prompts = [self.tokenizer.encode(t) for t in texts]
+            prompts = [self.encode(t, "text") for t in texts]
         else:
             prompts = [req.input_ids] if single else [list(p) for p in req.input_ids]
         params = req.params()
-        jobs = self._jobs(prompts, params, params.max_new_tokens)
+        jobs = self._jobs(prompts, params, params.max_new_tokens, req.rid)
         if req.stream:
             return self._sse(self._generate_stream(jobs))
         results = await self._run_all(jobs, raw)

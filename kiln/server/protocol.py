@@ -114,16 +114,38 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class NativeSamplingParams(_Strict):
+    """/generate's sampling_params, typed (SGLang's names and defaults)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    n: int = 1
+    logit_bias: dict[int, float] | None = None
+
+
 class GenerateRequest(_Strict):
     """The native /generate body (SGLang's shape)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    rid: str | None = None
+    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    rid: str | list[str] | None = None
 
     def params(self) -> SamplingParams:
         fields = set(SamplingParams.__dataclass_fields__)
