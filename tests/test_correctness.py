@@ -220,7 +220,9 @@ def assert_same(outs: list[dict], cases: list[Case], what: str) -> None:
     for out, case in zip(outs, cases):
         got = out["output_ids"]
         if got != case.ref:
-            i = next((k for k, (a, b) in enumerate(zip(got, case.ref)) if a != b), min(len(got), len(case.ref)))
+            i = next(
+                (k for k, (a, b) in enumerate(zip(got, case.ref)) if a != b), min(len(got), len(case.ref))
+            )
             bad.append(f"prompt of {len(case.ids)} tokens: first difference at {i}: {got} != {case.ref}")
     assert not bad, f"{what}: {len(bad)}/{len(cases)} differ from transformers:\n" + "\n".join(bad)
 

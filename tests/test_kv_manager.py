@@ -301,7 +301,9 @@ def test_flush_returns_everything(ps: int, radix: bool) -> None:
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["new", "chunk", "prefill", "decode", "finish", "release"]), st.integers(0, 99)),
+    st.tuples(
+        st.sampled_from(["new", "chunk", "prefill", "decode", "finish", "release"]), st.integers(0, 99)
+    ),
     min_size=1,
     max_size=60,
 )

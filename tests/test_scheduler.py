@@ -113,7 +113,9 @@ _rid = iter(range(10**9))
 
 def add(s: Scheduler, prompt: list[int], max_new: int = 8, **kw) -> str:
     rid = f"r{next(_rid)}"
-    s.add_request(GenerateReq(rid, list(prompt), SamplingParams(max_new_tokens=max_new, temperature=0.0, **kw)))
+    s.add_request(
+        GenerateReq(rid, list(prompt), SamplingParams(max_new_tokens=max_new, temperature=0.0, **kw))
+    )
     return rid
 
 
@@ -203,10 +205,10 @@ def test_prefill_batch_respects_max_prefill_tokens() -> None:
     s = make(max_prefill=100)
     rids = [add(s, prompt(40, k)) for k in range(3)] + [add(s, prompt(150, 9))]
     outs = drive(s)
-    first_extends = [e for e in extends(s)]
-    assert first_extends[0] == [40, 40], first_extends  # a third 40 would pass the 100-token budget
-    assert [150] in first_extends  # a prompt over the budget still runs, alone
-    assert all(sum(e) <= 100 or len(e) == 1 for e in first_extends)
+    batches = extends(s)
+    assert batches[0] == [40, 40], batches  # a third 40 would pass the 100-token budget
+    assert [150] in batches  # a prompt over the budget still runs, alone
+    assert all(sum(e) <= 100 or len(e) == 1 for e in batches)
     assert all(final(outs[r]).completion_tokens == 8 for r in rids)
 
 
@@ -363,7 +365,9 @@ def test_invalid_request_is_answered_not_queued() -> None:
 
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
-    lens=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 24), st.integers(0, 3)), min_size=1, max_size=10),
+    lens=st.lists(
+        st.tuples(st.integers(1, 60), st.integers(0, 24), st.integers(0, 3)), min_size=1, max_size=10
+    ),
     pool=st.integers(120, 400),
     ps=st.sampled_from([1, 4]),
     chunk=st.sampled_from([None, 16, 48]),

@@ -148,22 +148,12 @@ class GenerateRequest(_Strict):
     rid: str | list[str] | None = None
 
     def params(self) -> SamplingParams:
-        fields = set(SamplingParams.__dataclass_fields__)
-        unknown = set(self.sampling_params) - fields
-        if unknown:
-            raise InvalidParam(
-                f"sampling_params.{sorted(unknown)[0]}", f"unknown sampling parameter {sorted(unknown)[0]!r}"
-            )
-        sp = dict(self.sampling_params)
-        if "logit_bias" in sp and sp["logit_bias"]:
-            sp["logit_bias"] = {int(k): float(v) for k, v in sp["logit_bias"].items()}
-        try:
-            p = SamplingParams(**sp)
-        except TypeError as e:
-            raise InvalidParam("sampling_params", str(e)) from None
-        p.logprobs = p.logprobs or self.return_logprob
-        p.top_logprobs_num = max(p.top_logprobs_num, self.top_logprobs_num)
-        return p.normalize()
+        sp = self.sampling_params.model_dump()
+        sp["stop"] = sp["stop"] or []
+        sp["stop_token_ids"] = sp["stop_token_ids"] or []
+        return SamplingParams(
+            **sp, logprobs=self.return_logprob, top_logprobs_num=self.top_logprobs_num
+        ).normalize()
 
 
 def error_body(
