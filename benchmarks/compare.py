@@ -405,8 +405,8 @@ def collect(a: argparse.Namespace) -> dict:
             gguf = llama_cpp.quantize(model, qtype) if qtype else model
             data["runs"][label], data["commands"][label] = run_llama(gguf, wls, tok, logdir, a.timeout)
     if "llama-q4_0" in only:
-        q = llama_cpp.binary("llama-quantize")
-        data["commands"]["quantize"] = f"{q} {model} {llama_cpp.quantize(model, 'Q4_0')} Q4_0"
+        cmd = llama_cpp.quantize_command(model, llama_cpp.quantize(model, "Q4_0"))
+        data["commands"]["quantize"] = " ".join(cmd)
     if "transformers" in only:
         data["runs"]["transformers generate()"] = hf_baseline(
             str(model), wls, tok, a.hf_max_requests, a.hf_threads

@@ -91,6 +91,11 @@ def build(cache: Path = CACHE, jobs: int = 2, timeout: float = 3 * 3600) -> Path
     return binary(TARGETS[0], cache).parent
 
 
+def quantize_command(model: Path, out: Path, qtype: str = "Q4_0", cache: Path = CACHE) -> list[str]:
+    """The shipped GGUF is already quantized, so requantizing needs --allow-requantize."""
+    return [str(binary("llama-quantize", cache)), "--allow-requantize", str(model), str(out), qtype]
+
+
 def quantize(model: Path, qtype: str = "Q4_0", cache: Path = CACHE) -> Path:
     """`llama-quantize model out qtype`, cached beside the build."""
     out = cache / "models" / f"{model.stem}.{qtype}.gguf"
@@ -98,9 +103,11 @@ def quantize(model: Path, qtype: str = "Q4_0", cache: Path = CACHE) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    cmd = [str(binary("llama-quantize", cache)), str(model), str(tmp), qtype]
+    cmd = quantize_command(model, tmp, qtype, cache)
     _log(" ".join(cmd))
-    subprocess.run(cmd, check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
     tmp.rename(out)
     return out
 

@@ -235,6 +235,20 @@ def test_admission_counts_the_kv_each_request_will_need() -> None:
         assert ids(outs[rid]) == expected(p, 50)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_lpm_admits_the_longest_cached_prefix_first(policy: str) -> None:
+    s = make(policy=policy, max_running=1)
+    p = prompt(40, 1)
+    add(s, p, max_new=1)
+    drive(s)  # p is cached
+    other, hit = prompt(20, 2), p + [3]
+    rids = [add(s, other, max_new=2), add(s, hit, max_new=2)]
+    outs = drive(s)
+    after = extends(s)[1:]
+    assert after == ([[20], [1]] if policy == "fcfs" else [[1], [20]])
+    assert ids(outs[rids[0]]) == expected(other, 2) and ids(outs[rids[1]]) == expected(hit, 2)
+
+
 # ---------------------------------------------------------------- chunked prefill
 
 

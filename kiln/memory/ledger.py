@@ -517,7 +517,8 @@ def _size_pool(
         tokens = inp.max_total_tokens // page * page
         mfs = round((static + (tokens + page) * cell) / pre, 3)
         reason = f"derived from --max-total-tokens {inp.max_total_tokens}: (weights + KV pool) / available = {mfs:.3f}"
-        return _Sizing(tokens, mfs, reason, f"--max-total-tokens {inp.max_total_tokens}", target)
+        # a pool smaller than one full context is a valid setup: requests that cannot fit are refused one by one
+        return _Sizing(tokens, mfs, reason, f"--max-total-tokens {inp.max_total_tokens}", None)
     upper = max(0, (pre - static) // cell)
     need = need_at(resolve_running_requests(inp, upper, ctx))
     if inp.device.startswith("cuda"):

@@ -34,6 +34,12 @@ def validate_request(input_ids: list[int], params: SamplingParams, limits: Limit
             f"max_tokens={params.max_new_tokens} with a {n}-token prompt exceeds the context length "
             f"{limits.context_len}: use max_tokens <= {limits.context_len - n}",
         )
+    if n >= limits.max_total_tokens:
+        raise InvalidParam(
+            "prompt",
+            f"the prompt has {n} tokens but the KV pool holds {limits.max_total_tokens} tokens: "
+            f"shorten the prompt or start the server with a larger --max-total-tokens / --mem-fraction-static",
+        )
     if n + params.max_new_tokens > limits.max_total_tokens:
         raise InvalidParam(
             "max_tokens",

@@ -33,9 +33,20 @@ def _inject_fault(phase: str) -> None:
         time.sleep(3600)
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL to this process when the front dies, whatever killed it (no orphans)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def engine_main(args: ServerArgs, recv_addr: str, send_addr: str, status_queue) -> None:
     """Entry point of the child process. Reports ("phase", name, info), ("progress", info), ("ready", info) or
     ("error", reason, tb) on status_queue during startup."""
+    _die_with_parent()
     configure_logging(args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when to stop
 

@@ -209,7 +209,7 @@ class OpenAIServing:
                 "finish_reason": finish_name(out) if out.finished else None,
                 "logprobs": logprobs_completion(self.tokenizer, out.logprobs or []) if want_lp else None,
             }
-            if out.text_delta or out.finished:
+            if out.text_delta or out.finished or (want_lp and out.logprobs):
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
             yield sse({**base, "choices": [], "usage": usage(jobs, [lasts[k] for k in sorted(lasts)])})
@@ -277,7 +277,7 @@ class OpenAIServing:
                 "finish_reason": finish_name(out) if out.finished else None,
                 "logprobs": logprobs_chat(self.tokenizer, out.logprobs or []) if req.logprobs else None,
             }
-            if delta or out.finished:
+            if delta or out.finished or (req.logprobs and out.logprobs):
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
             yield sse({**base, "choices": [], "usage": usage(jobs, [lasts[k] for k in sorted(lasts)])})
