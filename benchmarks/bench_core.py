@@ -63,6 +63,8 @@ def measure(side, vocab: int, reps: int, seed: int) -> dict:
         dec.append(128 / (t129 - t1))
         pre.append(512 / side.run(prompts(1, 512, vocab, seed + 100 + r), 1))
         thr.append(64 * 128 / side.run(prompts(64, 128, vocab, seed + 200 + r), 128))
+        print(f"{type(side).__name__} rep {r}: decode {dec[-1]:.1f}, prefill {pre[-1]:.1f}, "
+              f"64x128 {thr[-1]:.1f} tok/s", flush=True)
     return {"decode_b1": statistics.median(dec), "prefill_512": statistics.median(pre),
             "throughput_64x128": statistics.median(thr)}
 

@@ -8,6 +8,7 @@ On the default model (SmolLM2 GGUF, read by transformers too) and on small rando
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ parking permits by twelve percent, starting in March.
 # ---------------------------------------------------------------- prompts and the reference
 
 
+@functools.cache
 def _token_stream() -> list[int]:
     from kiln.loader.default_model import default_model_path
     from kiln.server.tokenizer import load_tokenizer

@@ -78,9 +78,9 @@ class KVManager:
         """One slot per request for its next token, written into its table row."""
         if not self.ensure_free(len(reqs) * self.page_size):
             return None
-        rows = torch.tensor([r.table_idx for r in reqs])
+        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
         lens = [r.kv_len for r in reqs]
-        last = self.table.req_to_token[rows, torch.tensor(lens) - 1].tolist()
+        last = self.table.req_to_token[rows, torch.tensor(lens, dtype=torch.int64) - 1].tolist()
         slots = self.allocator.alloc_decode(lens, last)
         if slots is not None:
             self.table.req_to_token[rows, torch.tensor(lens)] = slots

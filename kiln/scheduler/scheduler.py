@@ -239,6 +239,11 @@ class Scheduler:
         """Free the KV of the requests with the least progress until one more decode step fits."""
         order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
         retracted = []
+        if self.chunked is not None:  # a half-prefilled prompt yields first: its chunks stay in the radix cache
+            req, self.chunked = self.chunked, None
+            self.kv.release(req)
+            req.num_retractions += 1
+            retracted.append(req)
         while not self.kv.decode_fits(len(self.running)) and len(self.running) > 1:
             victim = order.pop(0)
             self.running.remove(victim)
