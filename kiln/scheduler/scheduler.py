@@ -239,7 +239,9 @@ class Scheduler:
         """Free the KV of the requests with the least progress until one more decode step fits."""
         order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
         retracted = []
-        if self.chunked is not None:  # a half-prefilled prompt yields first: its chunks stay in the radix cache
+        if (
+            self.chunked is not None
+        ):  # a half-prefilled prompt yields first: its chunks stay in the radix cache
             req, self.chunked = self.chunked, None
             self.kv.release(req)
             req.num_retractions += 1

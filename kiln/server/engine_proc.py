@@ -20,13 +20,15 @@ logger = logging.getLogger("kiln")
 HEARTBEAT_SECONDS = 1.0
 
 
-def _inject_fault(phase: str) -> None:
+def _inject_fault(phase: str, status_queue) -> None:
     """Fault injection for the startup tests: KILN_FAULT=crash:<phase> or stall:<phase>."""
     kind, _, at = os.environ.get("KILN_FAULT", "").partition(":")
     if at != phase:
         return
     if kind == "crash":
         logger.error(f"injected crash in phase {phase}")
+        status_queue.close()
+        status_queue.join_thread()  # the phase report reaches the front before the process dies
         os._exit(3)
     if kind == "stall":
         logger.warning(f"injected stall in phase {phase}")
@@ -53,7 +55,7 @@ def engine_main(args: ServerArgs, recv_addr: str, send_addr: str, status_queue) 
     def on_phase(name: str, info: dict) -> None:
         status_queue.put(("phase", name, info) if name != "progress" else ("progress", info))
         if name != "progress":
-            _inject_fault(name)
+            _inject_fault(name, status_queue)
 
     try:
         from kiln.scheduler.launch import build_engine

@@ -76,7 +76,7 @@ class Launcher:
                 msg = await loop.run_in_executor(None, self.status_q.get, True, 0.5)
             except queue.Empty:
                 if not self.proc.is_alive():
-                    self.die(f"the engine process exited with code {self.proc.exitcode} during {st.phase}")
+                    self.engine_exited()
                     return None
                 # spawning the engine and importing torch is slow on a busy machine: launching gets its own allowance
                 limit = (
@@ -175,8 +175,7 @@ class Launcher:
         while True:
             await asyncio.sleep(0.5)
             if self.proc is not None and not self.proc.is_alive() and not self.state.shutting_down:
-                if not self.state.startup.failed:
-                    self.die(f"the engine process died (exit code {self.proc.exitcode})")
+                self.engine_exited()
                 return
             client = self.state.client
             if client is not None:
@@ -204,7 +203,21 @@ class Launcher:
                 await asyncio.sleep(0.05)
         self.server.should_exit = True
 
+    def engine_exited(self) -> None:
+        while True:  # phases the engine reported just before it died
+            try:
+                msg = self.status_q.get_nowait()
+            except (queue.Empty, OSError, EOFError):
+                break
+            if msg[0] == "phase":
+                self.state.startup.enter(msg[1], **msg[2])
+        self.die(
+            f"the engine process exited with code {self.proc.exitcode} during {self.state.startup.phase}"
+        )
+
     def die(self, reason: str, hint: str = "") -> None:
+        if self.state.startup.failed:
+            return
         logger.error(f"Kiln failed: {reason}" + (f" ({hint})" if hint else ""))
         self.state.startup.fail(reason, hint)
         self.exit_code = 1

@@ -185,18 +185,13 @@ class OpenAIServing:
         if req.stream:
             return self._sse(self._completion_stream(jobs, base, req, want_lp))
         results = await self._run_all(jobs, raw)
-        choices = []
-        for k, (text, _ids, lps, last) in enumerate(results):
-            self._raise_engine_error(last)
-            choices.append(
-                {
-                    "index": k,
-                    "text": text,
-                    "finish_reason": finish_name(last),
-                    "matched_stop": (last.finish_reason or {}).get("matched"),
-                    "logprobs": logprobs_completion(self.tokenizer, lps) if want_lp else None,
-                }
-            )
+        choices = self._final_choices(
+            results,
+            lambda text, lps: {
+                "text": text,
+                "logprobs": logprobs_completion(self.tokenizer, lps) if want_lp else None,
+            },
+        )
         return JSONResponse({**base, "choices": choices, "usage": usage(jobs, [r[3] for r in results])})
 
     async def _completion_stream(self, jobs, base, req, want_lp) -> AsyncIterator[str]:
@@ -239,18 +234,13 @@ class OpenAIServing:
         if req.stream:
             return self._sse(self._chat_stream(jobs, base, req))
         results = await self._run_all(jobs, raw)
-        choices = []
-        for k, (text, _ids, lps, last) in enumerate(results):
-            self._raise_engine_error(last)
-            choices.append(
-                {
-                    "index": k,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish_name(last),
-                    "matched_stop": (last.finish_reason or {}).get("matched"),
-                    "logprobs": logprobs_chat(self.tokenizer, lps) if req.logprobs else None,
-                }
-            )
+        choices = self._final_choices(
+            results,
+            lambda text, lps: {
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs_chat(self.tokenizer, lps) if req.logprobs else None,
+            },
+        )
         body = {
             **base,
             "object": "chat.completion",
@@ -314,6 +304,21 @@ class OpenAIServing:
             body["index"] = k
             yield sse(body)
         yield "data: [DONE]\n\n"
+
+    def _final_choices(self, results, body) -> list[dict]:
+        """One choice per finished generation; `body(text, logprobs)` gives the endpoint's own fields."""
+        choices = []
+        for k, (text, _ids, lps, last) in enumerate(results):
+            self._raise_engine_error(last)
+            choices.append(
+                {
+                    "index": k,
+                    **body(text, lps),
+                    "finish_reason": finish_name(last),
+                    "matched_stop": (last.finish_reason or {}).get("matched"),
+                }
+            )
+        return choices
 
     @staticmethod
     def _native_body(text: str, ids: list[int], lps: list, last: ReqOutput) -> dict:

@@ -48,7 +48,10 @@ class StartupState:
         self._emit({"event": "progress", "phase": self.phase, **progress})
 
     def fail(self, reason: str, hint: str = "") -> None:
+        """The first failure is the one reported; later ones (its consequences) are ignored."""
         with self._lock:
+            if self.phase == "failed":
+                return
             failed_phase = self.phase
             self.timings[self.phase] = round(time.time() - self._phase_start, 3)
             self.phase = "failed"
