@@ -1,0 +1,37 @@
+"""Where one Kiln step spends its time: torch profiler over a prefill (or decode) on the default model.
+
+    python benchmarks/profile_step.py --prompt-len 512            # one 512-token extend
+    python benchmarks/profile_step.py --prompt-len 16 --decode 32 # 32 decode steps at batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from torch.profiler import profile
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=0, help="decode steps to profile after the prefill")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    from kiln import Engine
+
+    eng = Engine(max_total_tokens=16384, max_running_requests=64, disable_radix_cache=True, num_threads=args.threads)
+    rng = random.Random(0)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+
+    params = {"max_new_tokens": 1 + args.decode, "temperature": 0.0, "ignore_eos": True}
+    eng.generate(input_ids=prompt(), sampling_params=params)  # warm-up
+    with profile(record_shapes=True) as prof:
+        eng.generate(input_ids=prompt(), sampling_params=params)
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
