@@ -10,15 +10,32 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's public arithmetic
+    _attn_params,
+    _experts,
+    _is_mla,
+    _linear_bytes_per_param,
+    _mlp_params,
+    _moe_layer,
+    _req,
+    context_len_of,
+    dtype_bytes,
+    head_dim,
+    kv_bytes_per_token,
+    kv_dims,
+    kv_heads_per_rank,
+    kv_layers,
+    param_counts,
+    prefill_activation,
+    resolve_dtype,
+    text_config,
+    weight_bytes,
+    weight_inputs,
+)
+
 GIB = 1 << 30
 MIB = 1 << 20
 
-_DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
-}  # fmt: skip
-_NON_KV_LAYER_TYPES = {"linear_attention", "mamba", "mamba2", "conv", "recurrent"}
 
 # CPU defaults, chosen for a shared 2-core / 24 GiB machine:
 # - the KV pool takes at most 25% of the available RAM (or what CPU_MAX_RUNNING_REQUESTS x context needs,
@@ -100,227 +117,6 @@ class Ledger:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# ---------------------------------------------------------------- model-config arithmetic
-
-
-def dtype_bytes(name: str) -> int:
-    try:
-        return _DTYPE_BYTES[name.lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r} (use one of {', '.join(sorted(_DTYPE_BYTES))})") from None
-
-
-def text_config(hf_config: dict) -> dict:
-    """The language-model part of a config (multimodal configs nest it under text_config)."""
-    if "num_hidden_layers" not in hf_config and isinstance(hf_config.get("text_config"), dict):
-        return hf_config["text_config"]
-    return hf_config
-
-
-def resolve_dtype(hf_config: dict, device: str, dtype: str | None = "auto") -> str:
-    """'auto' -> float32 on CPU (fastest in stock PyTorch there); on CUDA the checkpoint's half type."""
-    if dtype and dtype != "auto":
-        dtype_bytes(dtype)
-        return dtype
-    if not device.startswith("cuda"):
-        return "float32"
-    cfg = text_config(hf_config)
-    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or hf_config.get("torch_dtype") or "bfloat16")
-    name = name.removeprefix("torch.")
-    return name if name in ("bfloat16", "float16") else "float16"
-
-
-def _req(cfg: dict, key: str) -> int:
-    if cfg.get(key) is None:
-        raise ValueError(f"model config has no {key!r}; is this a decoder LLM config.json?")
-    return int(cfg[key])
-
-
-def _is_mla(cfg: dict) -> bool:
-    return bool(cfg.get("kv_lora_rank"))
-
-
-def head_dim(cfg: dict) -> int:
-    return int(cfg.get("head_dim") or _req(cfg, "hidden_size") // _req(cfg, "num_attention_heads"))
-
-
-def kv_heads_per_rank(cfg: dict, tp_size: int) -> int:
-    """KV heads held by one rank; replicated (1 per rank) when tp > kv heads."""
-    kv = int(cfg.get("num_key_value_heads") or _req(cfg, "num_attention_heads"))
-    return max(1, math.ceil(kv / tp_size))
-
-
-def kv_layers(cfg: dict) -> int:
-    """Layers that keep KV (hybrid models: only the attention layers)."""
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and types:
-        return sum(1 for t in types if str(t) not in _NON_KV_LAYER_TYPES)
-    return _req(cfg, "num_hidden_layers")
-
-
-def kv_dims(cfg: dict, tp_size: int) -> tuple[int, int, str]:
-    """(K width, V width) per token per layer on one rank, in elements, and the formula in words."""
-    if _is_mla(cfg):
-        lora, rope = int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim") or 0)
-        return lora + rope, 0, f"MLA (kv_lora_rank {lora} + rope {rope})"
-    heads, hd = kv_heads_per_rank(cfg, tp_size), head_dim(cfg)
-    vd = int(cfg.get("v_head_dim") or hd)
-    return heads * hd, heads * vd, f"{heads} kv heads/rank x ({hd}+{vd})"
-
-
-def kv_bytes_per_token(hf_config: dict, tp_size: int, dtype_bytes: int) -> int:
-    """MHA/GQA: kv_heads_per_rank x (head_dim + v_head_dim) x layers x bytes; MLA: (lora + rope) x layers x bytes."""
-    cfg = text_config(hf_config)
-    k, v, _ = kv_dims(cfg, tp_size)
-    return (k + v) * kv_layers(cfg) * dtype_bytes
-
-
-def _moe_layer(cfg: dict, i: int) -> bool:
-    if cfg.get("n_routed_experts"):  # DeepSeek-V2/V3
-        return (
-            i >= int(cfg.get("first_k_dense_replace") or 0) and i % int(cfg.get("moe_layer_freq") or 1) == 0
-        )
-    if cfg.get("num_experts") or "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:  # Qwen2/3-MoE
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        return i not in (cfg.get("mlp_only_layers") or []) and (i + 1) % step == 0
-    return bool(cfg.get("num_local_experts"))  # Mixtral
-
-
-def _experts(cfg: dict) -> tuple[int, int, int, int]:
-    """(routed experts, expert intermediate, shared-expert intermediate total, experts per token)."""
-    n = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
-    shared = int(cfg.get("n_shared_experts") or 0) * inter + int(
-        cfg.get("shared_expert_intermediate_size") or 0
-    )
-    return n, inter, shared, int(cfg.get("num_experts_per_tok") or 2)
-
-
-def _attn_params(cfg: dict, tp: int) -> float:
-    h, nh = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads")
-    if _is_mla(cfg):
-        lora, rope, nope = (
-            int(cfg["kv_lora_rank"]),
-            int(cfg.get("qk_rope_head_dim") or 0),
-            int(cfg.get("qk_nope_head_dim") or 0),
-        )
-        vd, qr = int(cfg.get("v_head_dim") or nope), cfg.get("q_lora_rank")
-        q = (h * qr + qr + qr * nh * (nope + rope) / tp) if qr else h * nh * (nope + rope) / tp
-        return q + h * (lora + rope) + lora + lora * nh * (nope + vd) / tp + nh * vd * h / tp
-    hd, kvr = head_dim(cfg), kv_heads_per_rank(cfg, tp)
-    params = 2 * h * nh * hd / tp + 2 * h * kvr * hd
-    if cfg.get("attention_bias") or cfg.get("model_type") in ("qwen2", "qwen2_moe"):
-        params += nh * hd / tp + 2 * kvr * hd + (h if cfg.get("attention_bias") else 0)
-    if str(cfg.get("model_type", "")).startswith("qwen3"):
-        params += 2 * hd  # q_norm, k_norm
-    return params
-
-
-def _mlp_params(cfg: dict, i: int, tp: int) -> tuple[float, float]:
-    """(linear params sharded by TP, replicated small params) of layer i's MLP."""
-    h = _req(cfg, "hidden_size")
-    if not _moe_layer(cfg, i):
-        return 3 * h * _req(cfg, "intermediate_size") / tp, 0.0
-    n, inter, shared, _ = _experts(cfg)
-    router = h * n + (h if cfg.get("shared_expert_intermediate_size") else 0)  # + shared-expert gate
-    return 3 * h * (n * inter + shared) / tp, float(router)
-
-
-def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
-    """Per-rank (linear-layer params, other params: embeddings, lm head, norms, routers)."""
-    cfg = text_config(hf_config)
-    h, layers, vocab = _req(cfg, "hidden_size"), _req(cfg, "num_hidden_layers"), _req(cfg, "vocab_size")
-    tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
-    other = vocab * h / tp_size * (1 if tied else 2) + h  # embedding (+ untied lm head) + final norm
-    linear = 0.0
-    for i in range(layers):
-        mlp, small = _mlp_params(cfg, i, tp_size)
-        linear += _attn_params(cfg, tp_size) + mlp
-        other += 2 * h + small
-    return round(linear), round(other)
-
-
-def _linear_bytes_per_param(hf_config: dict, dtype_bytes: int) -> tuple[float, str]:
-    q = hf_config.get("quantization_config") or {}
-    method = str(q.get("quant_method") or "").lower()
-    if not method:
-        return float(dtype_bytes), ""
-    if "fp8" in method or method in ("compressed-tensors", "modelopt"):
-        return 1.0 + 4 / (128 * 128), f"{method} (1 B + block scales)"
-    if method in ("mxfp4", "modelopt_fp4", "nvfp4"):
-        return 0.5 + 1 / 32, f"{method} (0.5 B + scales)"
-    if method == "bitsandbytes":
-        return (0.5 + 4 / 64, "bnb 4-bit") if q.get("load_in_4bit") else (1.0, "bnb 8-bit")
-    bits, group = int(q.get("bits") or 4), int(q.get("group_size") or 128)
-    group = group if group > 0 else 1024
-    return bits / 8 + (dtype_bytes + bits / 8) / group, f"{method} {bits}-bit, group {group}"
-
-
-def weight_bytes(hf_config: dict, tp_size: int, dtype_bytes: int) -> int:
-    """Per-rank weight bytes: parameter count from shapes (or GGUF's f32 total), quantized linears as stored."""
-    gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
-    f32 = gguf.get("weight_bytes_f32") or hf_config.get("kiln_gguf.weight_bytes_f32")
-    if f32:  # GGUF tensors are dequantized to the serving dtype
-        return math.ceil(int(f32) / 4 * dtype_bytes / tp_size)
-    linear, other = param_counts(hf_config, tp_size)
-    per_param, _ = _linear_bytes_per_param(hf_config, dtype_bytes)
-    return math.ceil(linear * per_param + other * dtype_bytes)
-
-
-def weight_inputs(hf_config: dict, tp_size: int, dtype: str) -> str:
-    gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
-    f32 = gguf.get("weight_bytes_f32") or hf_config.get("kiln_gguf.weight_bytes_f32")
-    if f32:
-        return f"GGUF {int(f32) // 4:,} params dequantized to {dtype} / tp {tp_size}"
-    linear, other = param_counts(hf_config, tp_size)
-    _, quant = _linear_bytes_per_param(hf_config, dtype_bytes(dtype))
-    how = f"linears {quant}, rest {dtype}" if quant else dtype
-    return f"{(linear + other) / 1e9:.3f}e9 params/rank (tp {tp_size}) x {how}"
-
-
-def context_len_of(hf_config: dict) -> int:
-    cfg = text_config(hf_config)
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
-        if cfg.get(key):
-            return int(cfg[key])
-    return 2048
-
-
-def prefill_activation(hf_config: dict, tokens: int, tp: int, act_bytes: int, device: str) -> tuple[int, str]:
-    """Peak activations of one prefill forward over `tokens` tokens, per rank."""
-    cfg = text_config(hf_config)
-    h, nh, vocab = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads"), _req(cfg, "vocab_size")
-    heads = max(1, math.ceil(nh / tp))
-    if _is_mla(cfg):
-        nope, rope = int(cfg.get("qk_nope_head_dim") or 0), int(cfg.get("qk_rope_head_dim") or 0)
-        vd = int(cfg.get("v_head_dim") or nope)
-        qkv_w, out_w = heads * (2 * (nope + rope) + vd), heads * vd
-    else:
-        k_w, v_w, _ = kv_dims(cfg, tp)
-        qkv_w, out_w = heads * head_dim(cfg) + k_w + v_w, heads * int(cfg.get("v_head_dim") or head_dim(cfg))
-    inter = int(cfg.get("intermediate_size") or 0)
-    n, e_inter, shared, topk = _experts(cfg)
-    if n:
-        inter = max(inter if not cfg.get("num_local_experts") else 0, topk * e_inter + shared)
-    inter = math.ceil(inter / tp)
-    t = tokens
-    parts = {
-        "hidden": 2 * t * h * act_bytes,
-        "qkv": t * qkv_w * act_bytes,
-        "attn out": t * out_w * act_bytes,
-        "mlp": 2 * t * inter * act_bytes,
-        # CPU: torch sdpa materializes fp32 scores per head; CUDA kernels keep scores on chip (the mask remains)
-        "scores": heads * t * t * 4 if not device.startswith("cuda") else t * t * act_bytes,
-        "last logits": vocab * 4,
-    }
-    text = (
-        f"{t} tokens: hidden 2x{h}, qkv {qkv_w}, attn out {out_w}, mlp 2x{inter} @ {act_bytes} B; "
-        + (f"scores {heads} heads x {t}^2 x 4 B; " if not device.startswith("cuda") else f"mask {t}^2; ")
-        + f"last-token logits {vocab} x 4 B"
-    )
-    return sum(parts.values()), text
 
 
 # ---------------------------------------------------------------- sizing
