@@ -26,7 +26,10 @@ __all__ = ["add_arguments", "build_inputs", "format_refusal", "load_model_config
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The serve-like flags `kiln plan` understands (SGLang's names and defaults)."""
     p.add_argument(
-        "--model-path", "--model", required=True, help="config.json dir, a config.json file, or a .gguf"
+        "--model-path",
+        "--model",
+        default=None,
+        help="config.json dir, a config.json file, or a .gguf (default: the bundled SmolLM2-135M-Instruct GGUF)",
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: detected")
     p.add_argument("--device-memory", default=None, help="per-device memory, e.g. 80GiB (default: probed)")
@@ -115,6 +118,10 @@ def build_inputs(args: argparse.Namespace, hf_config: dict, draft: dict | None =
 
 
 def ledger_for_args(args: argparse.Namespace) -> Ledger:
+    if args.model_path is None:
+        from kiln.loader.default_model import default_model_path
+
+        args.model_path = default_model_path()
     hf_config = load_model_config(args.model_path)
     draft = (
         load_model_config(args.speculative_draft_model_path) if args.speculative_draft_model_path else None
