@@ -16,10 +16,25 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False),
-    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -31,8 +46,12 @@ def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
     from kiln.server.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
-    cfg = cfg_cls(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **TINY[kind])
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        kind
+    ]
+    cfg = cfg_cls(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **TINY[kind]
+    )
     torch.manual_seed(seed)
     model = model_cls(cfg)
     with torch.no_grad():  # larger-than-default weights so logits have clear winners
@@ -82,7 +101,9 @@ class ServerProcess:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kiln serve exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+                raise RuntimeError(
+                    f"kiln serve exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -107,12 +128,26 @@ class ServerProcess:
         return self.proc.returncode
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """The default model served with a small pool; shared by the HTTP tests."""
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    srv = ServerProcess(["--max-total-tokens", "16384", "--max-running-requests", "32",
-                         "--chunked-prefill-size", "512"], log)
+    srv = ServerProcess(
+        ["--max-total-tokens", "16384", "--max-running-requests", "32", "--chunked-prefill-size", "512"], log
+    )
     try:
         srv.wait_ready()
         yield srv

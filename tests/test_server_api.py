@@ -6,7 +6,6 @@ from __future__ import annotations
 import uuid
 
 import httpx
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -15,16 +14,6 @@ FRANCE = "What is the capital of France?"
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def info(server) -> dict:

@@ -9,23 +9,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 from conftest import ServerProcess
 
 pytestmark = pytest.mark.slow
 
 LONG = 3000  # new tokens no test waits for: seconds of decoding on this machine
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def info(url: str) -> dict:
