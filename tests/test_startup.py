@@ -105,8 +105,10 @@ def poll_until_ready(w: Watch) -> None:
         while time.time() < deadline and w.srv.proc.poll() is None:
             note_children(w)
             try:
-                status = http.get(f"{w.srv.url}/status").json()
                 ready, health = http.get(f"{w.srv.url}/ready"), http.get(f"{w.srv.url}/health")
+                # read the phase *after* both probes: phases only move forward, so a phase that is still
+                # not "ready" here was not "ready" when the probes answered either
+                status = http.get(f"{w.srv.url}/status").json()
             except httpx.TransportError:
                 time.sleep(0.05)
                 continue
