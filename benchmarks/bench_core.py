@@ -54,19 +54,17 @@ class KilnSide:
         return time.perf_counter() - t0
 
 
-def measure(side, vocab: int, reps: int, seed: int) -> dict:
-    """Returns the three figures for one engine; fresh prompts every run so nothing is cached."""
-    dec, pre, thr = [], [], []
-    for r in range(reps):
-        p = prompts(1, 16, vocab, seed + r)
-        t1, t129 = side.run(p, 1), side.run(p, 129)
-        dec.append(128 / (t129 - t1))
-        pre.append(512 / side.run(prompts(1, 512, vocab, seed + 100 + r), 1))
-        thr.append(64 * 128 / side.run(prompts(64, 128, vocab, seed + 200 + r), 128))
-        print(f"{type(side).__name__} rep {r}: decode {dec[-1]:.1f}, prefill {pre[-1]:.1f}, "
-              f"64x128 {thr[-1]:.1f} tok/s", flush=True)
-    return {"decode_b1": statistics.median(dec), "prefill_512": statistics.median(pre),
-            "throughput_64x128": statistics.median(thr)}
+def measure_once(side, vocab: int, seed: int) -> dict:
+    """The three figures for one engine, one repetition; fresh prompts every run so nothing is cached."""
+    p = prompts(1, 16, vocab, seed)
+    t1, t129 = side.run(p, 1), side.run(p, 129)
+    fig = {
+        "decode_b1": 128 / (t129 - t1),
+        "prefill_512": 512 / side.run(prompts(1, 512, vocab, seed + 100), 1),
+        "throughput_64x128": 64 * 128 / side.run(prompts(64, 128, vocab, seed + 200), 128),
+    }
+    print(f"{type(side).__name__}: " + ", ".join(f"{k} {v:.1f}" for k, v in fig.items()) + " tok/s", flush=True)
+    return fig
 
 
 def main() -> None:
@@ -86,11 +84,14 @@ def main() -> None:
         vocab = kiln.engine.parts.model_config.vocab_size
         for side in (kiln, hf):  # warm-up
             side.run(prompts(2, 32, vocab, 999), 4)
-        k = measure(kiln, vocab, args.reps, 0)
-        h = measure(hf, vocab, args.reps, 0)
-        for name in k:
-            rows.append({"dtype": dtype, "figure": name, "kiln": k[name], "transformers": h[name],
-                         "ratio": k[name] / h[name]})
+        runs: dict[str, list[dict]] = {"kiln": [], "hf": []}
+        for r in range(args.reps):  # the engines alternate, so drift of the shared host hits both alike
+            runs["kiln"].append(measure_once(kiln, vocab, r))
+            runs["hf"].append(measure_once(hf, vocab, r))
+        for name in runs["kiln"][0]:
+            k = statistics.median(f[name] for f in runs["kiln"])
+            h = statistics.median(f[name] for f in runs["hf"])
+            rows.append({"dtype": dtype, "figure": name, "kiln": k, "transformers": h, "ratio": k / h})
         del kiln, hf
     print("| dtype | figure | Kiln tok/s | transformers tok/s | Kiln / transformers |")
     print("|---|---|---|---|---|")

@@ -62,6 +62,9 @@ class ServerArgs:
     log_level: str = _f("info", "logging level")
     log_requests: bool = _f(False, "log every request")
     num_threads: int | None = _f(None, "torch CPU threads (default: all cores)")
+    disable_weight_prepack: bool = _f(
+        False, "CPU: keep linear weights in their plain layout (F.linear) instead of oneDNN's prepacked one"
+    )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")
     host_memory: str | None = _f(None, "host RAM to plan for, e.g. 512GiB (default: probed)")

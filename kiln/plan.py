@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-weight-prepack", action="store_true")
     p.add_argument("--enable-hierarchical-cache", action="store_true")
     p.add_argument(
         "--hicache-size", type=float, default=0.0, help="GB (1e9 B) per rank; 0 = use --hicache-ratio"
@@ -114,6 +115,7 @@ def build_inputs(args: argparse.Namespace, hf_config: dict, draft: dict | None =
         page_size=args.page_size, cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_size_gb=args.hicache_size,
         hicache_ratio=args.hicache_ratio, host_memory_bytes=host, draft_hf_config=draft,
+        weight_prepack=not getattr(args, "disable_weight_prepack", False),
     )  # fmt: skip
 
 

@@ -217,6 +217,14 @@ def test_plan_reads_gguf_metadata(capsys):
     )
     data = json.loads(out)
     assert rc == 0
-    assert data["weight_bytes"] == 134_515_008 * 4  # dequantized to fp32
+    head_copy = 49152 * 576 * 4  # tied embeddings: the CPU prepacked lm head is a second copy
+    assert data["weight_bytes"] == 134_515_008 * 4 + head_copy  # dequantized to fp32
+    lines = {line["name"]: line["bytes"] for line in data["lines"]}
+    assert lines["weights"] == 134_515_008 * 4 and lines["packed lm head"] == head_copy
     assert data["kv_bytes_per_token"] == 3 * (64 + 64) * 30 * 4
     assert data["context_len"] == 8192
+    rc, out, _ = run_plan(
+        capsys,
+        ["--model-path", path, "--device", "cpu", "--device-memory", "24GiB", "--json", "--disable-weight-prepack"],
+    )
+    assert json.loads(out)["weight_bytes"] == 134_515_008 * 4

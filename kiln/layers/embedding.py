@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from kiln.layers.cpu_gemm import linear, prepack
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,8 +35,25 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
+    """Projects hidden states to vocabulary logits; may share its weight with the embedding (`tied`)."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__(vocab_size, hidden)
+        self.tied = False
+        self.packed_weight: nn.Parameter | None = None
+
+    def prepack_weights(self) -> bool:
+        """Untied: the weight is swapped for its prepacked layout. Tied: the embedding still needs plain rows,
+        so the packed layout is a second copy (the ledger's "packed lm head" line)."""
+        packed = prepack(self.weight)
+        if packed is None:
+            return False
+        if self.tied:
+            self.packed_weight = nn.Parameter(packed, requires_grad=False)
+        else:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+        return True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
         return all_gather_last_dim(logits)[..., : self.vocab_size]

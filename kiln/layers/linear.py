@@ -4,10 +4,10 @@ that copies its own shard out of a full checkpoint tensor."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.distributed import all_reduce, divide, tp_rank, tp_size
+from kiln.layers.cpu_gemm import linear, prepack
 
 
 def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
@@ -16,7 +16,19 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
     return p
 
 
-class ColumnParallelLinear(nn.Module):
+class _PrepackableLinear(nn.Module):
+    weight: nn.Parameter
+
+    def prepack_weights(self) -> bool:
+        """After loading: swap the weight for its prepacked CPU layout where that exists."""
+        packed = prepack(self.weight)
+        if packed is None:
+            return False
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        return True
+
+
+class ColumnParallelLinear(_PrepackableLinear):
     """y = x W^T with W's output rows split across ranks; the output stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -31,7 +43,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -71,7 +83,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_PrepackableLinear):
     """y = x W^T with W's input columns split across ranks; partial outputs are summed."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -88,6 +100,6 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

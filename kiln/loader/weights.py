@@ -62,7 +62,12 @@ def _reporting(weights, on_progress, every: float = 1.0):
 
 
 def load_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int, on_progress=None
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    max_positions: int,
+    on_progress=None,
+    prepack: bool = False,
 ) -> torch.nn.Module:
     """Build the model on meta, materialize it and load every weight; checks nothing was missed."""
     t0 = time.perf_counter()
@@ -83,6 +88,10 @@ def load_model(
             f"checkpoint {cfg.model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
         )
     model.init_buffers(max_positions, device)
+    if prepack:
+        from kiln.layers.cpu_gemm import prepack_module_weights
+
+        model.prepacked_weights = prepack_module_weights(model)
     model.eval()
     model.load_seconds = time.perf_counter() - t0
     return model

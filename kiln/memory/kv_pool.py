@@ -29,6 +29,16 @@ class KVPool:
         self.k[layer][slots] = k
         self.v[layer][slots] = v
 
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows of `slots` (any shape), shaped [*slots.shape, heads, dim]. index_select on the flat
+        slot list is ~3x faster on CPU than advanced indexing with a 2-D index."""
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, *self.k[layer].shape[1:])
+        return (
+            self.k[layer].index_select(0, flat).view(shape),
+            self.v[layer].index_select(0, flat).view(shape),
+        )
+
     @property
     def k_bytes(self) -> int:
         return sum(t.nbytes for t in self.k)

@@ -25,6 +25,7 @@ from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's
     kv_dims,
     kv_heads_per_rank,
     kv_layers,
+    packed_lm_head_bytes,
     param_counts,
     prefill_activation,
     resolve_dtype,
@@ -74,6 +75,7 @@ class LedgerInputs:
     hicache_ratio: float = 2.0
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
     draft_hf_config: dict | None = None  # speculative decoding draft model
+    weight_prepack: bool = True  # CPU float32: linear weights in oneDNN's layout (a tied lm head gets a copy)
 
 
 @dataclass(frozen=True)
@@ -373,7 +375,9 @@ def compute_core(inp: LedgerInputs) -> Ledger:
     draft_cell = kv_bytes_per_token(draft, tp, kvb) if draft else 0
     weights = weight_bytes(hf, tp, wb)
     draft_w = weight_bytes(draft, tp, wb) if draft else 0
-    static, full_cell = weights + draft_w, cell + draft_cell
+    prepacks = not cuda and inp.dtype == "float32" and inp.weight_prepack
+    head_copy = packed_lm_head_bytes(hf, tp) if prepacks else 0
+    static, full_cell = weights + draft_w + head_copy, cell + draft_cell
     ctx = inp.context_length or context_len_of(hf)
     default_chunk, default_bs = (
         _cuda_defaults(inp.device_memory_bytes, tp) if cuda else (CPU_CHUNKED_PREFILL_SIZE, 0)
@@ -410,6 +414,14 @@ def compute_core(inp: LedgerInputs) -> Ledger:
         LedgerLine("available", pre, f"free {inp.device} memory per rank before loading{ram}"),
         LedgerLine("weights", weights, weight_inputs(hf, tp, inp.dtype)),
     ]
+    if head_copy:
+        lines.append(
+            LedgerLine(
+                "packed lm head",
+                head_copy,
+                "CPU prepacked copy of the tied embedding: vocab/tp x hidden x 4 B",
+            )
+        )
     if draft:
         lines.append(LedgerLine("draft weights", draft_w, weight_inputs(draft, tp, inp.dtype)))
     kv_line = f"{kv_text} x {layers} layers x {kvb} B ({kv_dtype})"

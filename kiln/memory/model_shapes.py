@@ -152,6 +152,14 @@ def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
     return round(linear), round(other)
 
 
+def packed_lm_head_bytes(hf_config: dict, tp_size: int) -> int:
+    """The CPU prepacked copy of a tied lm head (the embedding keeps the plain rows): vocab/tp x hidden x 4 B."""
+    cfg = text_config(hf_config)
+    if not bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))):
+        return 0
+    return math.ceil(_req(cfg, "vocab_size") / tp_size) * _req(cfg, "hidden_size") * 4
+
+
 def _linear_bytes_per_param(hf_config: dict, dtype_bytes: int) -> tuple[float, str]:
     q = hf_config.get("quantization_config") or {}
     method = str(q.get("quant_method") or "").lower()

@@ -99,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tied = True
         self.rotary: RotaryEmbedding | None = None
         self.attn = None  # the attention backend, set by the model runner
 

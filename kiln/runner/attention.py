@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
 from kiln.memory.kv_pool import KVPool
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
+
+# fresh prompts of one batch share a padded SDPA call while padding adds at most this factor of work
+MAX_PAD_FACTOR = 1.25
 
 
 class TorchAttentionBackend:
@@ -25,27 +30,60 @@ class TorchAttentionBackend:
         return out.reshape(q.shape[0], -1)
 
     def _decode(self, layer: int, q: torch.Tensor, fb: ForwardBatch, scale: float) -> torch.Tensor:
-        kc = self.kv_pool.k[layer][fb.kv_table].transpose(1, 2)  # [B, Hk, L, D]
-        vc = self.kv_pool.v[layer][fb.kv_table].transpose(1, 2)
+        kc, vc = self.kv_pool.gather(layer, fb.kv_table)  # [B, L, Hk, D]
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hk, L, D]
         qb = q.unsqueeze(2)  # [B, Hq, 1, D]
         out = F.scaled_dot_product_attention(qb, kc, vc, attn_mask=fb.kv_mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
 
     def _extend(self, layer: int, q, k, v, fb: ForwardBatch, scale: float) -> torch.Tensor:
-        outs = []
-        start = 0
-        for ext, pre, slots in zip(fb.extend_lens, fb.prefix_lens, fb.seq_slots):
-            qi = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
-            if pre == 0:
-                ki = k[start : start + ext].transpose(0, 1).unsqueeze(0)
-                vi = v[start : start + ext].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                ki = self.kv_pool.k[layer][slots].transpose(0, 1).unsqueeze(0)  # [1, Hk, pre+ext, D]
-                vi = self.kv_pool.v[layer][slots].transpose(0, 1).unsqueeze(0)
-                rows = torch.arange(ext, device=q.device).unsqueeze(1) + pre
-                mask = torch.arange(pre + ext, device=q.device).unsqueeze(0) <= rows
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            outs.append(o.squeeze(0).transpose(0, 1))
-            start += ext
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        lens, starts = fb.extend_lens, list(accumulate(fb.extend_lens, initial=0))
+        if len(lens) == 1:
+            return self._one(layer, q, k, v, fb.prefix_lens[0], fb.seq_slots[0], scale)
+        out = q.new_empty(q.shape)
+        fresh = [i for i, pre in enumerate(fb.prefix_lens) if pre == 0]
+        if len(fresh) > 1 and len(fresh) * max(lens[i] for i in fresh) <= MAX_PAD_FACTOR * sum(
+            lens[i] for i in fresh
+        ):
+            self._fresh_together(q, k, v, [(starts[i], lens[i]) for i in fresh], scale, out)
+        else:
+            fresh = []
+        batched = set(fresh)
+        for i, (pre, slots) in enumerate(zip(fb.prefix_lens, fb.seq_slots)):
+            if i not in batched:
+                a, b = starts[i], starts[i + 1]
+                out[a:b] = self._one(layer, q[a:b], k[a:b], v[a:b], pre, slots, scale)
+        return out
+
+    def _one(self, layer: int, q, k, v, pre: int, slots: torch.Tensor, scale: float) -> torch.Tensor:
+        """One request's extend: [T, Hq, D] -> [T, Hq, D], attending to its cached prefix, if any."""
+        ext = q.shape[0]
+        qi = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+        if pre == 0:
+            ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            kc, vc = self.kv_pool.gather(layer, slots)  # [pre+ext, Hk, D]
+            ki, vi = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)  # [1, Hk, pre+ext, D]
+            rows = torch.arange(ext, device=q.device).unsqueeze(1) + pre
+            mask = torch.arange(pre + ext, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    @staticmethod
+    def _fresh_together(q, k, v, spans: list[tuple[int, int]], scale: float, out: torch.Tensor) -> None:
+        """Prompts without a cached prefix as one causal SDPA call over a zero-padded batch: padding sits after
+        each prompt's last token, so under the causal mask no real row ever attends to it."""
+        longest = max(n for _, n in spans)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [N, H, longest, D]
+            buf = x.new_zeros(len(spans), longest, *x.shape[1:])
+            for j, (a, n) in enumerate(spans):
+                buf[j, :n] = x[a : a + n]
+            return buf.transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(
+            padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=True
+        ).transpose(1, 2)  # [N, longest, Hq, D]
+        for j, (a, n) in enumerate(spans):
+            out[a : a + n] = o[j, :n]

@@ -41,12 +41,16 @@ class ModelRunner:
         self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, device
         self.measured: dict[str, int] = {}
 
-    def load(self, max_positions: int, on_progress=None) -> None:
+    def load(self, max_positions: int, on_progress=None, prepack: bool = True) -> None:
         before = _avail_gb(self.device)
         logger.info(f"Load weight begin. avail mem={before:.2f} GB")
-        self.model = load_model(self.model_config, self.dtype, self.device, max_positions, on_progress)
+        self.model = load_model(
+            self.model_config, self.dtype, self.device, max_positions, on_progress, prepack
+        )
         weight_bytes = sum(p.nbytes for p in {id(p): p for p in self.model.parameters()}.values())
         self.measured["weights"] = weight_bytes
+        if getattr(self.model, "prepacked_weights", 0):
+            logger.info(f"Prepacked {self.model.prepacked_weights} linear weights into oneDNN's CPU layout.")
         logger.info(
             f"Load weight end. elapsed={self.model.load_seconds:.2f} s, type={self.model_config.architecture}, "
             f"dtype={self.dtype}, avail mem={_avail_gb(self.device):.2f} GB, mem usage={weight_bytes / GB:.2f} GB."

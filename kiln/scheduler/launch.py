@@ -72,6 +72,7 @@ def plan(args: ServerArgs, model_config: ModelConfig, device: str) -> Ledger:
             hicache_size_gb=args.hicache_size,
             hicache_ratio=args.hicache_ratio,
             host_memory_bytes=host,
+            weight_prepack=not args.disable_weight_prepack,
         )
     )
 
@@ -104,6 +105,7 @@ def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None 
     runner.load(
         max(ledger.context_len, model_config.max_position_embeddings) + 8,
         on_progress=lambda info: phase("progress", info),
+        prepack=not args.disable_weight_prepack,
     )
     phase("allocating_kv", {})
     runner.init_memory_pool(

@@ -1,0 +1,70 @@
+"""The torch attention backend: fresh prompts batched into one padded causal SDPA call give the same rows as
+one call per prompt, with a cached-prefix request mixed in between."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.memory.kv_pool import KVPool
+from kiln.runner import attention
+from kiln.runner.attention import TorchAttentionBackend
+from kiln.runner.forward_batch import ForwardBatch, ForwardMode
+
+HQ, HK, D = 6, 2, 16
+
+
+def _batch(pool: KVPool, lens: list[int], prefixes: list[int]) -> ForwardBatch:
+    slots, loc, next_slot = [], [], 1
+    for ext, pre in zip(lens, prefixes):
+        s = torch.arange(next_slot, next_slot + pre + ext)
+        next_slot += pre + ext
+        slots.append(s)
+        loc.append(s[pre:])
+    total = sum(lens)
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.zeros(total, dtype=torch.long),
+        positions=torch.zeros(total, dtype=torch.long),
+        out_cache_loc=torch.cat(loc),
+        logits_index=torch.zeros(len(lens), dtype=torch.long),
+        extend_lens=lens,
+        prefix_lens=prefixes,
+        seq_slots=slots,
+    )
+
+
+def test_fresh_prompts_batched_match_one_call_each(monkeypatch):
+    torch.manual_seed(0)
+    pool = KVPool(256, 1, 1, HK, D, torch.float32)
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    lens, prefixes = [5, 6, 3, 6, 7], [0, 0, 9, 0, 0]  # fresh: 24 tokens, padded 4 x 7 = 28 (<= 1.25x)
+    fb = _batch(pool, lens, prefixes)
+    q, k, v = torch.randn(sum(lens), HQ, D), torch.randn(sum(lens), HK, D), torch.randn(sum(lens), HK, D)
+    backend = TorchAttentionBackend(pool)
+    calls = []
+    real = TorchAttentionBackend._fresh_together
+    monkeypatch.setattr(
+        TorchAttentionBackend, "_fresh_together", staticmethod(lambda *a: calls.append(a) or real(*a))
+    )
+    got = backend.forward(0, q, k, v, fb, D**-0.5)
+    assert len(calls) == 1, "the four fresh prompts were not batched"
+    start, want = 0, []
+    for ext, pre, slots in zip(lens, prefixes, fb.seq_slots):
+        s = slice(start, start + ext)
+        want.append(backend._one(0, q[s], k[s], v[s], pre, slots, D**-0.5))
+        start += ext
+    torch.testing.assert_close(got, torch.cat(want).reshape(sum(lens), -1), rtol=1e-5, atol=1e-6)
+
+
+def test_padding_beyond_the_cap_runs_one_call_each(monkeypatch):
+    pool = KVPool(64, 1, 1, HK, D, torch.float32)
+    lens = [1, 20]  # padded 2 x 20 = 40 > 1.25 x 21
+    fb = _batch(pool, lens, [0, 0])
+    n = sum(lens)
+    called = []
+    monkeypatch.setattr(TorchAttentionBackend, "_fresh_together", staticmethod(lambda *a: called.append(a)))
+    TorchAttentionBackend(pool).forward(
+        0, torch.randn(n, HQ, D), torch.randn(n, HK, D), torch.randn(n, HK, D), fb, 1.0
+    )
+    assert not called and attention.MAX_PAD_FACTOR == 1.25
