@@ -34,10 +34,25 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+@torch.library.custom_op("kiln::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The prepacked matmul as one opaque op, so a compiled step calls it as it is instead of decomposing it
+    into an `mm` that cannot read oneDNN's layout."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+    """`packed` comes from the layer (a traced weight does not report its layout)."""
+    if not packed:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return packed_linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def prepack_module_weights(model: torch.nn.Module) -> int:

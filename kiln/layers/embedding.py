@@ -41,6 +41,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden)
         self.tied = False
         self.packed_weight: nn.Parameter | None = None
+        self.packed = False
 
     def prepack_weights(self) -> bool:
         """Untied: the weight is swapped for its prepacked layout. Tied: the embedding still needs plain rows,
@@ -52,8 +53,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.packed_weight = nn.Parameter(packed, requires_grad=False)
         else:
             self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = True
         return True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
+        weight = self.weight if self.packed_weight is None else self.packed_weight
+        logits = linear(hidden, weight, None, self.packed)
         return all_gather_last_dim(logits)[..., : self.vocab_size]

@@ -18,6 +18,7 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
 
 class _PrepackableLinear(nn.Module):
     weight: nn.Parameter
+    packed = False
 
     def prepack_weights(self) -> bool:
         """After loading: swap the weight for its prepacked CPU layout where that exists."""
@@ -25,6 +26,7 @@ class _PrepackableLinear(nn.Module):
         if packed is None:
             return False
         self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = True
         return True
 
 
@@ -43,7 +45,7 @@ class ColumnParallelLinear(_PrepackableLinear):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -100,6 +102,6 @@ class RowParallelLinear(_PrepackableLinear):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, None, self.packed)
         y = all_reduce(y)
         return y + self.bias if self.bias is not None else y
