@@ -68,3 +68,53 @@ def test_padding_beyond_the_cap_runs_one_call_each(monkeypatch):
         0, torch.randn(n, HQ, D), torch.randn(n, HK, D), torch.randn(n, HK, D), fb, 1.0
     )
     assert not called and attention.MAX_PAD_FACTOR == 1.25
+
+
+def _decode_batch(tables: list[list[int]]) -> ForwardBatch:
+    b, longest = len(tables), max(map(len, tables))
+    kv_table = torch.zeros(b, longest, dtype=torch.long)
+    for i, t in enumerate(tables):
+        kv_table[i, : len(t)] = torch.tensor(t)
+    lens = torch.tensor([len(t) for t in tables])
+    valid = torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1)
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(b, dtype=torch.long),
+        positions=lens - 1,
+        out_cache_loc=torch.tensor([t[-1] for t in tables]),
+        logits_index=torch.arange(b),
+        kv_table=kv_table,
+        kv_mask=None if bool(valid.all()) else valid.view(b, 1, 1, longest),
+    )
+
+
+def _decode_both_ways(tables: list[list[int]]):
+    torch.manual_seed(1)
+    pool = KVPool(512, 1, 1, HK, D, torch.float32)
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    b = len(tables)
+    q, k, v = torch.randn(b, HQ, D), torch.randn(b, HK, D), torch.randn(b, HK, D)
+    backend = TorchAttentionBackend(pool)
+    fb = _decode_batch(tables)
+    got = backend.forward(0, q, k, v, fb, D**-0.5)
+    plain = _decode_batch(tables)
+    plain.shared_kv = False  # force the per-request gather
+    want = backend.forward(0, q, k, v, plain, D**-0.5)
+    return fb, got, want
+
+
+def test_decode_over_a_shared_prefix_reads_it_once_and_matches_the_gather():
+    prefix = list(range(10, 90))
+    tails = [list(range(200 + 10 * i, 200 + 10 * i + n)) for i, n in enumerate([1, 4, 9, 2, 7])]
+    fb, got, want = _decode_both_ways([prefix + t for t in tails])
+    slots, mask = fb.shared_kv
+    assert slots.numel() == 80 + 23 + 1  # the prefix once, every tail, and the padding slot
+    assert mask.shape == (1, 1, 5 * (HQ // HK), slots.numel())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_without_sharing_keeps_the_gather():
+    fb, got, want = _decode_both_ways([list(range(1 + 50 * i, 1 + 50 * i + 40)) for i in range(6)])
+    assert fb.shared_kv is False  # 240 distinct slots > 4 x 40
+    torch.testing.assert_close(got, want)

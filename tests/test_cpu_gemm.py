@@ -49,3 +49,17 @@ def test_model_weights_packed_at_load(request, kind, prepack):
         assert model.prepacked_weights == 4 * cfg.num_layers + 1
         packed_head = head.packed_weight if head.tied else head.weight
         assert packed_head.nbytes == cfg.vocab_size * cfg.hidden_size * 4
+
+
+def test_packed_linear_under_torch_compile():
+    """A compiled step keeps the packed matmul as one op (inductor would otherwise lower it to an `mm` that
+    cannot read oneDNN's layout and fail at run time)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 32), torch.randn(5, 32)
+    packed = cpu_gemm.prepack(w)
+
+    def step(x, weight):
+        return torch.relu(cpu_gemm.linear(x * 2.0, weight, None, packed=True))
+
+    got = torch.compile(step, dynamic=False, backend="aot_eager")(x, packed)
+    torch.testing.assert_close(got, torch.relu(F.linear(x * 2.0, w)), rtol=1e-5, atol=1e-5)

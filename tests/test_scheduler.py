@@ -235,6 +235,25 @@ def test_admission_counts_the_kv_each_request_will_need() -> None:
         assert ids(outs[rid]) == expected(p, 50)
 
 
+@pytest.mark.parametrize("radix", [True, False])
+def test_requests_sharing_an_uncached_prefix_compute_it_once(radix: bool) -> None:
+    """In-batch prefix caching: of requests arriving together with a common uncached 100-token prefix, one
+    computes it; the others wait one batch and read it from the radix cache. Unrelated requests are not held."""
+    s = make(radix=radix)
+    shared = prompt(100, 5)
+    prompts = [shared + prompt(6, 10 + k) for k in range(3)] + [prompt(50, 99)]
+    rids = [add(s, p, max_new=4) for p in prompts]
+    outs = drive(s)
+    batches = extends(s)
+    if radix:
+        assert batches[:2] == [[106, 50], [6, 6]], batches
+        assert [final(outs[r]).cached_tokens for r in rids] == [0, 100, 100, 0]
+    else:  # nothing to read it back from: all at once
+        assert batches[0] == [106, 106, 106, 50], batches
+    for rid, p in zip(rids, prompts):
+        assert ids(outs[rid]) == expected(p, 4)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_lpm_admits_the_longest_cached_prefix_first(policy: str) -> None:
     s = make(policy=policy, max_running=1)

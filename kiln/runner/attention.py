@@ -14,6 +14,11 @@ from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 MAX_PAD_FACTOR = 1.25
 
 
+# a decode batch runs over its distinct KV slots (see _distinct_slots) while they number at most this many times
+# its longest sequence
+SHARED_KV_FACTOR = 4
+
+
 class TorchAttentionBackend:
     def __init__(self, kv_pool: KVPool):
         self.kv_pool = kv_pool
@@ -30,11 +35,28 @@ class TorchAttentionBackend:
         return out.reshape(q.shape[0], -1)
 
     def _decode(self, layer: int, q: torch.Tensor, fb: ForwardBatch, scale: float) -> torch.Tensor:
+        group = q.shape[1] // self.kv_pool.k[layer].shape[1]
+        if fb.shared_kv is None:
+            fb.shared_kv = _distinct_slots(fb, group)
+        if fb.shared_kv:
+            return self._decode_over_distinct(layer, q, fb.shared_kv, group, scale)
         kc, vc = self.kv_pool.gather(layer, fb.kv_table)  # [B, L, Hk, D]
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hk, L, D]
         qb = q.unsqueeze(2)  # [B, Hq, 1, D]
         out = F.scaled_dot_product_attention(qb, kc, vc, attn_mask=fb.kv_mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
+
+    def _decode_over_distinct(self, layer: int, q, shared, group: int, scale: float) -> torch.Tensor:
+        """One SDPA call for the whole batch over its distinct slots: rows are (kv head, request, group member),
+        the mask keeps each request to its own slots. Shared rows are read once instead of once per request."""
+        slots, mask = shared
+        k, v = self.kv_pool.gather(layer, slots)  # [U, Hk, D]
+        b, hq, d = q.shape
+        hk = hq // group
+        qg = q.view(b, hk, group, d).transpose(0, 1).reshape(1, hk, b * group, d)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hk, U, D]
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [1, Hk, B * group, D]
+        return o.view(hk, b, group, d).transpose(0, 1).reshape(b, hq, d)
 
     def _extend(self, layer: int, q, k, v, fb: ForwardBatch, scale: float) -> torch.Tensor:
         lens, starts = fb.extend_lens, list(accumulate(fb.extend_lens, initial=0))
@@ -87,3 +109,21 @@ class TorchAttentionBackend:
         ).transpose(1, 2)  # [N, longest, Hq, D]
         for j, (a, n) in enumerate(spans):
             out[a : a + n] = o[j, :n]
+
+
+def _distinct_slots(fb: ForwardBatch, group: int) -> tuple[torch.Tensor, torch.Tensor] | bool:
+    """The batch's distinct slots and the [1, 1, B * group, U] mask of which belong to which request, when
+    requests share enough of their KV (a common prefix, n > 1) that one call over the distinct slots is cheaper
+    than gathering every request's rows: at most SHARED_KV_FACTOR x the longest sequence."""
+    b, longest = fb.kv_table.shape
+    if b == 1:
+        return False
+    slots, inverse = torch.unique(fb.kv_table, return_inverse=True)
+    if slots.numel() > SHARED_KV_FACTOR * longest:
+        return False
+    valid = (
+        fb.kv_mask.view(b, longest) if fb.kv_mask is not None else torch.ones(b, longest, dtype=torch.bool)
+    )
+    # padding entries all point at slot 0, never a real slot, and write False
+    mask = torch.zeros(b, slots.numel(), dtype=torch.bool, device=slots.device).scatter_(1, inverse, valid)
+    return slots, mask.repeat_interleave(group, dim=0).view(1, 1, b * group, -1)

@@ -30,6 +30,7 @@ logger = logging.getLogger("kiln")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
+IN_BATCH_PREFIX_TOKENS = 32  # SGLang's IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
 
 
 class Scheduler:
@@ -178,12 +179,34 @@ class Scheduler:
                 return []
         if self.policy == "lpm" and len(self.waiting) <= 128:
             self.waiting = deque(sorted(self.waiting, key=lambda r: -self.kv.match(r)))
+        deferred: list[Req] = []
         while self.waiting and adder.budget.chunked is None:
-            if not adder.add(self.waiting[0]):
+            req = self.waiting[0]
+            if self._shares_uncached_prefix(req, adder.budget.reqs):
+                deferred.append(self.waiting.popleft())  # next batch, when that prefix is cached
+                continue
+            if not adder.add(req):
                 break
             self.waiting.popleft()
+        self.waiting.extendleft(reversed(deferred))
         self.chunked = adder.budget.chunked
         return adder.budget.reqs
+
+    def _shares_uncached_prefix(self, req: Req, batch: list[Req]) -> bool:
+        """In-batch prefix caching: True when a request already in this batch computes the next
+        IN_BATCH_PREFIX_TOKENS tokens req would compute (same prefix, not yet cached), so req waits one batch
+        and then reads them from the radix cache instead of computing them a second time."""
+        if not batch or req.table_idx is not None or not self.kv.radix_enabled:
+            return False
+        cached = self.kv.match(req)
+        window = req.fill_ids[cached : cached + IN_BATCH_PREFIX_TOKENS]
+        if len(window) < IN_BATCH_PREFIX_TOKENS:
+            return False
+        return any(
+            o.fill_ids[cached : cached + IN_BATCH_PREFIX_TOKENS] == window
+            and o.fill_ids[:cached] == req.fill_ids[:cached]
+            for o in batch
+        )
 
     def _run_extend(self, reqs: list[Req]) -> None:
         fb = build_extend(reqs, self.kv.table)
@@ -207,6 +230,8 @@ class Scheduler:
             r.finish_reason = {"type": "length", "length": 0}
             self._finish(r)
         sampled = [(r, i) for r, i in zip(done, rows) if r.params.max_new_tokens > 0]
+        for r, _ in sampled:  # publish the prompt's KV now, so requests arriving meanwhile share it
+            self.kv.cache_unfinished(r)
         if sampled:
             self.running.extend(r for r, _ in sampled)
             self._sample_and_process([r for r, _ in sampled], logits[[i for _, i in sampled]])
