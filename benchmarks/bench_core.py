@@ -28,15 +28,26 @@ class HFSide:
     def __init__(self, path: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).to(dtype).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+            )
+            .to(dtype)
+            .eval()
+        )
 
     def run(self, batch: list[list[int]], new: int) -> float:
         ids = torch.tensor(batch)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, pad_token_id=0)
+            self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return time.perf_counter() - t0
 
 
@@ -44,8 +55,14 @@ class KilnSide:
     def __init__(self, path: str, dtype: str):
         from kiln import Engine
 
-        self.engine = Engine(model_path=path, dtype=dtype, max_total_tokens=65536, max_running_requests=128,
-                             chunked_prefill_size=4096, disable_radix_cache=True)
+        self.engine = Engine(
+            model_path=path,
+            dtype=dtype,
+            max_total_tokens=65536,
+            max_running_requests=128,
+            chunked_prefill_size=4096,
+            disable_radix_cache=True,
+        )
 
     def run(self, batch: list[list[int]], new: int) -> float:
         sp = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
@@ -63,7 +80,9 @@ def measure_once(side, vocab: int, seed: int) -> dict:
         "prefill_512": 512 / side.run(prompts(1, 512, vocab, seed + 100), 1),
         "throughput_64x128": 64 * 128 / side.run(prompts(64, 128, vocab, seed + 200), 128),
     }
-    print(f"{type(side).__name__}: " + ", ".join(f"{k} {v:.1f}" for k, v in fig.items()) + " tok/s", flush=True)
+    print(
+        f"{type(side).__name__}: " + ", ".join(f"{k} {v:.1f}" for k, v in fig.items()) + " tok/s", flush=True
+    )
     return fig
 
 
@@ -96,7 +115,9 @@ def main() -> None:
     print("| dtype | figure | Kiln tok/s | transformers tok/s | Kiln / transformers |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['figure']} | {r['kiln']:.1f} | {r['transformers']:.1f} | {r['ratio']:.2f}x |")
+        print(
+            f"| {r['dtype']} | {r['figure']} | {r['kiln']:.1f} | {r['transformers']:.1f} | {r['ratio']:.2f}x |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -1,7 +1,8 @@
 """Where one Kiln step spends its time: torch profiler over a prefill (or decode) on the default model.
 
-    python benchmarks/profile_step.py --prompt-len 512            # one 512-token extend
-    python benchmarks/profile_step.py --prompt-len 16 --decode 32 # 32 decode steps at batch 1
+python benchmarks/profile_step.py --prompt-len 512            # one 512-token extend
+python benchmarks/profile_step.py --prompt-len 16 --decode 32 # 32 decode steps at batch 1
+python benchmarks/profile_step.py --batch 32 --prompt-len 200 --decode 64  # the 32-stream serving shape
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode", type=int, default=0, help="decode steps to profile after the prefill")
+    ap.add_argument("--batch", type=int, default=1, help="requests generated together")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     from kiln import Engine
 
-    eng = Engine(max_total_tokens=16384, max_running_requests=64, disable_radix_cache=True, num_threads=args.threads)
+    eng = Engine(
+        max_total_tokens=16384, max_running_requests=64, disable_radix_cache=True, num_threads=args.threads
+    )
     rng = random.Random(0)
 
     def prompt() -> list[int]:
@@ -28,8 +32,9 @@ def main() -> None:
 
     params = {"max_new_tokens": 1 + args.decode, "temperature": 0.0, "ignore_eos": True}
     eng.generate(input_ids=prompt(), sampling_params=params)  # warm-up
+    batch = [prompt() for _ in range(args.batch)]
     with profile(record_shapes=True) as prof:
-        eng.generate(input_ids=prompt(), sampling_params=params)
+        eng.generate(input_ids=batch, sampling_params=[params] * args.batch)
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=20))
 
 

@@ -22,7 +22,9 @@ def test_packed_linear_matches_f_linear(rows):
     w, b, x = torch.randn(96, 40), torch.randn(96), torch.randn(rows, 40)
     packed = cpu_gemm.prepack(w)
     assert packed is not None and packed.is_mkldnn
-    torch.testing.assert_close(cpu_gemm.linear(x, packed, b, packed=True), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_gemm.linear(x, packed, b, packed=True), F.linear(x, w, b), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_only_float32_on_cpu_is_packed():

@@ -225,6 +225,15 @@ def test_plan_reads_gguf_metadata(capsys):
     assert data["context_len"] == 8192
     rc, out, _ = run_plan(
         capsys,
-        ["--model-path", path, "--device", "cpu", "--device-memory", "24GiB", "--json", "--disable-weight-prepack"],
+        [
+            "--model-path",
+            path,
+            "--device",
+            "cpu",
+            "--device-memory",
+            "24GiB",
+            "--json",
+            "--disable-weight-prepack",
+        ],
     )
     assert json.loads(out)["weight_bytes"] == 134_515_008 * 4

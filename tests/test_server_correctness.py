@@ -29,15 +29,21 @@ def reference(default_model):
     from kiln.server.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model)
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model),
-                                                 gguf_file=os.path.basename(default_model), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_model), gguf_file=os.path.basename(default_model), dtype=torch.float32
+    ).eval()
     cases = []
     with torch.inference_mode():
         for text in PROMPTS:
             ids = tok.encode(text)
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id)
-            gen = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
+            gen = out[0, len(ids) :].tolist()
             if tok.eos_token_id in gen:
                 gen = gen[: gen.index(tok.eos_token_id)]
             cases.append((ids, tok.decode(gen, skip_special_tokens=True)))
@@ -58,8 +64,9 @@ def test_streaming_concurrent_matches_transformers(server, reference):
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x")
 
     async def one(ids):
-        stream = await client.completions.create(model=model, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
-                                                 stream=True)
+        stream = await client.completions.create(
+            model=model, prompt=ids, max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def all_at_once():

@@ -117,6 +117,9 @@ class Ledger:
     def line(self, name: str) -> LedgerLine:
         return next(x for x in self.lines if x.name == name)
 
+    def has_line(self, name: str) -> bool:
+        return any(x.name == name for x in self.lines)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -22,7 +22,8 @@ def current_rss_bytes() -> int:
 def memory_check(ledger: Ledger, measured: dict[str, int]) -> list[dict]:
     """One row per figure both sides know: predicted bytes, measured bytes, relative error."""
     predicted = {
-        "weights": ledger.weight_bytes,
+        "weights": ledger.line("weights").bytes,
+        "packed_lm_head": ledger.line("packed lm head").bytes if ledger.has_line("packed lm head") else 0,
         "kv_pool": ledger.line("kv pool").bytes,
         "req_table": ledger.line("request table").bytes,
         "graph_capture": ledger.graph_reserve_bytes,
@@ -30,7 +31,7 @@ def memory_check(ledger: Ledger, measured: dict[str, int]) -> list[dict]:
     }
     rows = []
     for name, pred in predicted.items():
-        if name not in measured:
+        if name not in measured or (not pred and not measured[name]):
             continue
         meas = measured[name]
         err = (meas - pred) / pred if pred else 0.0

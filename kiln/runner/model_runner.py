@@ -47,8 +47,13 @@ class ModelRunner:
         self.model = load_model(
             self.model_config, self.dtype, self.device, max_positions, on_progress, prepack
         )
-        weight_bytes = sum(p.nbytes for p in {id(p): p for p in self.model.parameters()}.values())
+        params = dict(self.model.named_parameters())  # shared (tied) parameters once
+        head_copy = params.pop("lm_head.packed_weight", None)
+        weight_bytes = sum(p.nbytes for p in params.values())
         self.measured["weights"] = weight_bytes
+        if head_copy is not None:
+            self.measured["packed_lm_head"] = head_copy.nbytes
+            weight_bytes += head_copy.nbytes
         if getattr(self.model, "prepacked_weights", 0):
             logger.info(f"Prepacked {self.model.prepacked_weights} linear weights into oneDNN's CPU layout.")
         logger.info(
