@@ -15,26 +15,17 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TINY = {
-    "llama": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    ),
-    "qwen3": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ),
+_TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+TINY = {  # an untied Llama and a tied Qwen3 with an explicit head_dim
+    "llama": dict(_TINY_SHAPE, tie_word_embeddings=False),
+    "qwen3": dict(_TINY_SHAPE, head_dim=32, tie_word_embeddings=True),
 }
 
 

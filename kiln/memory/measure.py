@@ -31,10 +31,10 @@ def memory_check(ledger: Ledger, measured: dict[str, int]) -> list[dict]:
     }
     rows = []
     for name, pred in predicted.items():
-        if name not in measured or (not pred and not measured[name]):
+        if name not in measured:
             continue
         meas = measured[name]
-        err = (meas - pred) / pred if pred else 0.0
+        err = (meas - pred) / pred if pred else float(meas > 0)  # allocated but not predicted: +100%
         rows.append({"name": name, "predicted": pred, "measured": meas, "error": round(err, 4)})
     return rows
 

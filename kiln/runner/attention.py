@@ -64,12 +64,11 @@ class TorchAttentionBackend:
             return self._one(layer, q, k, v, fb.prefix_lens[0], fb.seq_slots[0], scale)
         out = q.new_empty(q.shape)
         fresh = [i for i, pre in enumerate(fb.prefix_lens) if pre == 0]
-        if len(fresh) > 1 and len(fresh) * max(lens[i] for i in fresh) <= MAX_PAD_FACTOR * sum(
-            lens[i] for i in fresh
-        ):
-            self._fresh_together(q, k, v, [(starts[i], lens[i]) for i in fresh], scale, out)
-        else:
+        padded = len(fresh) * max((lens[i] for i in fresh), default=0)
+        if len(fresh) < 2 or padded > MAX_PAD_FACTOR * sum(lens[i] for i in fresh):
             fresh = []
+        if fresh:
+            self._fresh_together(q, k, v, [(starts[i], lens[i]) for i in fresh], scale, out)
         batched = set(fresh)
         for i, (pre, slots) in enumerate(zip(fb.prefix_lens, fb.seq_slots)):
             if i not in batched:

@@ -27,7 +27,7 @@ class ForwardBatch:
     # DECODE: [B, L] slots of every sequence, padded with slot 0, and the [B, 1, 1, L] validity mask
     kv_table: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
-    # DECODE: the batch's distinct KV slots and a [B * group, U] mask, or False when they are not worth it;
+    # DECODE: the batch's distinct KV slots and a [1, 1, B * group, U] mask, or False when not worth it;
     # worked out by the attention backend at the first layer and reused by the others
     shared_kv: tuple[torch.Tensor, torch.Tensor] | bool | None = None
 
