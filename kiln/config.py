@@ -71,8 +71,24 @@ class ServerArgs:
     enable_hierarchical_cache: bool = _f(False, "keep evicted prefixes in a host-memory tier")
     hicache_size: float = _f(0.0, "host tier size in GB per rank (overrides --hicache-ratio)")
     hicache_ratio: float = _f(2.0, "host tier size as a multiple of the device KV pool")
-    cuda_graph_max_bs: int | None = _f(None, "largest decode batch captured as a graph")
-    disable_cuda_graph: bool = _f(False, "run every step eagerly")
+    cuda_graph_max_bs: int | None = _f(
+        None,
+        "largest decode batch captured as a graph (default: by device memory on CUDA, 0 = none on the CPU)",
+    )
+    cuda_graph_bs: tuple[int, ...] | None = _f(
+        None, "decode batch sizes to capture (default: SGLang's list up to --cuda-graph-max-bs)"
+    )
+    cuda_graph_max_bs_prefill: int | None = _f(
+        None,
+        "largest prefill token count captured, on SGLang's buckets (default: the chunk size on CUDA, 0 on CPU)",
+    )
+    cuda_graph_bs_prefill: tuple[int, ...] | None = _f(None, "prefill token counts to capture")
+    disable_cuda_graph: bool = _f(False, "run every step eagerly: no graphs (CUDA) or compiled steps (CPU)")
+    disable_prefill_graph: bool = _f(False, "capture decode only; every prefill runs eagerly")
+    compile_cache_dir: str | None = _f(
+        None,
+        "where compiled shapes are cached between starts (default: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/kiln/compile)",
+    )
     startup_events: str | None = _f(None, "append startup phase transitions as JSON lines to this file")
 
     def __post_init__(self) -> None:
@@ -80,6 +96,12 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
+        for flag, sizes in (
+            ("--cuda-graph-bs", self.cuda_graph_bs),
+            ("--cuda-graph-bs-prefill", self.cuda_graph_bs_prefill),
+        ):
+            if sizes is not None and (not sizes or min(sizes) < 1):
+                raise ValueError(f"{flag} {list(sizes)}: sizes must be >= 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static {self.mem_fraction_static} must be in (0, 1)")
 
@@ -101,6 +123,9 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", **kw)
                 continue
+            if str(f.type) == "tuple[int, ...] | None":
+                parser.add_argument(flag, type=int, nargs="+", **kw)
+                continue
             typ = {"int | None": int, "int": int, "float": float, "float | None": float}.get(str(f.type), str)
             parser.add_argument(flag, type=typ, **kw)
         parser.add_argument("--model", dest="model_path", help=argparse.SUPPRESS)
@@ -108,4 +133,5 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items() if k in names}
+        return cls(**values)

@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)
+    p.add_argument("--cuda-graph-max-bs-prefill", type=int, default=None)
+    p.add_argument("--cuda-graph-bs-prefill", type=int, nargs="+", default=None)
+    p.add_argument("--disable-prefill-graph", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-weight-prepack", action="store_true")
     p.add_argument("--enable-hierarchical-cache", action="store_true")
@@ -112,7 +116,11 @@ def build_inputs(args: argparse.Namespace, hf_config: dict, draft: dict | None =
         mem_fraction_static=args.mem_fraction_static, max_total_tokens=args.max_total_tokens,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
-        page_size=args.page_size, cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+        page_size=args.page_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_bs=tuple(args.cuda_graph_bs) if args.cuda_graph_bs else None,
+        cuda_graph_max_bs_prefill=args.cuda_graph_max_bs_prefill,
+        cuda_graph_bs_prefill=tuple(args.cuda_graph_bs_prefill) if args.cuda_graph_bs_prefill else None,
+        disable_cuda_graph=args.disable_cuda_graph, disable_prefill_graph=args.disable_prefill_graph,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_size_gb=args.hicache_size,
         hicache_ratio=args.hicache_ratio, host_memory_bytes=host, draft_hf_config=draft,
         weight_prepack=not getattr(args, "disable_weight_prepack", False),

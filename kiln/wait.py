@@ -12,15 +12,18 @@ from tqdm import tqdm
 from kiln.server.startup import PHASES
 
 
-def wait(url: str, timeout: float, interval: float = 0.5, quiet: bool = False) -> int:
+def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -> int:
     url = url.rstrip("/")
     deadline = time.time() + timeout
     bar = tqdm(total=len(PHASES) - 1, desc="waiting for the server", disable=quiet, unit="phase")
     last_phase, misses = None, 0
+    client = httpx.Client(
+        timeout=5
+    )  # one connection for every poll: polling stays cheap next to a busy startup
     try:
         while time.time() < deadline:
             try:
-                status = httpx.get(f"{url}/status", timeout=5).json()
+                status = client.get(f"{url}/status").json()
                 misses = 0
             except (httpx.HTTPError, ValueError):
                 misses += 1
@@ -57,6 +60,7 @@ def wait(url: str, timeout: float, interval: float = 0.5, quiet: bool = False) -
             time.sleep(interval)
     finally:
         bar.close()
+        client.close()
     print(f"kiln wait: {url} not ready after {timeout:.0f} s (last phase: {last_phase})", file=sys.stderr)
     return 2
 

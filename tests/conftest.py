@@ -78,15 +78,22 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`kiln serve` in a subprocess on 127.0.0.1, stopped (and reaped) at the end."""
+    """`kiln serve` in a subprocess on 127.0.0.1 (with extra environment variables, e.g. fault injection),
+    stopped (and reaped) at the end."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "kiln.cli", "serve", "--port", str(self.port), *args]
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.time() + timeout

@@ -8,6 +8,8 @@ import math
 import pytest
 
 from kiln.memory.ledger import (
+    CPU_COMPILED_STEP_BYTES,
+    CPU_COMPILER_BYTES,
     GIB,
     LedgerInputs,
     compute_ledger,
@@ -173,7 +175,11 @@ def test_cpu_default_pool_is_capped_at_a_quarter_of_ram():
     assert got.line("kv pool").bytes <= 0.25 * 64 * GIB + got.kv_bytes_per_token
     assert got.max_running_requests == 128 and got.chunked_prefill_size == 2048
     assert "25%" in got.mem_fraction_reason and "shared machine" in got.mem_fraction_reason
-    assert got.graph_reserve_bytes == 0
+    # no compiled steps by default on the CPU; asked for, SGLang's list up to the given size
+    assert got.graph_batch_sizes == () and got.graph_reserve_bytes == 0
+    on = ledger(LLAMA_31_8B, device="cpu", mem_gib=64, dtype="float32", cuda_graph_max_bs=8)
+    assert on.graph_batch_sizes == (1, 2, 4, 8)
+    assert on.graph_reserve_bytes == CPU_COMPILER_BYTES + 4 * CPU_COMPILED_STEP_BYTES
 
 
 def test_cpu_small_model_pool_sized_by_use():

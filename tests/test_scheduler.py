@@ -58,6 +58,7 @@ class FakeRunner:
         self.tok = torch.full((slots,), -1, dtype=torch.int64)
         self.pos = torch.full((slots,), -1, dtype=torch.int64)
         self.last_forward_seconds = 1e-3
+        self.last_forward_graph = False
         self.calls: list[tuple[ForwardMode, list[int]]] = []  # (mode, tokens per request)
         self.errors: list[str] = []
 

@@ -8,7 +8,6 @@ The four servers start at once (one module fixture) so the module costs one star
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import ServerProcess, free_port
+from conftest import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -29,29 +28,11 @@ BOOT_S = 240.0  # the most any server here may take to become ready or to fail
 REFUSE = ["--device-memory", "1GiB", "--max-total-tokens", "10000000"]
 
 
-class EnvServer(ServerProcess):
-    """ServerProcess with extra environment variables (fault injection)."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "kiln.cli", "serve", "--port", str(self.port), *args]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-
-
 @dataclass
 class Watch:
     """What was seen of one server while it started (filled by a thread)."""
 
-    srv: EnvServer
+    srv: ServerProcess
     events: Path | None = None
     children: dict[int, psutil.Process] = field(default_factory=dict)
     polls: list[dict] = field(default_factory=list)  # /status phase with the /ready and /health answers
@@ -130,10 +111,10 @@ def boot(tmp_path_factory, default_model):
     d = tmp_path_factory.mktemp("startup")
     ev = {k: d / f"{k}.events.jsonl" for k in ("ok", "stall", "refuse")}
     w = {
-        "ok": Watch(EnvServer([*SMALL, "--startup-events", str(ev["ok"])], d / "ok.log"), ev["ok"]),
-        "crash": Watch(EnvServer(SMALL, d / "crash.log", {"KILN_FAULT": "crash:allocating_kv"})),
+        "ok": Watch(ServerProcess([*SMALL, "--startup-events", str(ev["ok"])], d / "ok.log"), ev["ok"]),
+        "crash": Watch(ServerProcess(SMALL, d / "crash.log", {"KILN_FAULT": "crash:allocating_kv"})),
         "stall": Watch(
-            EnvServer(
+            ServerProcess(
                 [*SMALL, "--watchdog-timeout", "5", "--startup-events", str(ev["stall"])],
                 d / "stall.log",
                 {"KILN_FAULT": "stall:loading_weights"},
@@ -141,7 +122,7 @@ def boot(tmp_path_factory, default_model):
             ev["stall"],
         ),
         "refuse": Watch(
-            EnvServer([*REFUSE, "--startup-events", str(ev["refuse"])], d / "refuse.log"), ev["refuse"]
+            ServerProcess([*REFUSE, "--startup-events", str(ev["refuse"])], d / "refuse.log"), ev["refuse"]
         ),
     }
     early = {}

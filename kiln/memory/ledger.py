@@ -33,6 +33,12 @@ from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's
     weight_bytes,
     weight_inputs,
 )
+from kiln.runner.graph_shapes import (
+    CPU_GRAPH_MAX_BS,
+    CPU_PREFILL_GRAPH_MAX_TOKENS,
+    decode_graph_batch_sizes,
+    prefill_graph_token_sizes,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -49,6 +55,10 @@ CPU_MAX_RUNNING_REQUESTS = 128
 CPU_CHUNKED_PREFILL_SIZE = 2048
 # Interpreter, tokenizer, allocator slack; on CUDA SGLang's 512 MiB + tp/8 GiB of communication buffers.
 RUNTIME_OVERHEAD_BYTES = 512 * MIB
+# CPU compiled shapes: inductor's runtime once, then each shape's code and buffers. Measured (process RSS across
+# the capture phase, default model): 4 decode steps 0.139 GB, 5 decode steps 0.156 GB, 3 prefill sizes 0.05 GB
+CPU_COMPILER_BYTES = 64 * MIB
+CPU_COMPILED_STEP_BYTES = 24 * MIB
 MOMENTS = ("load_weights", "kv_allocation", "host_memory", "graph_capture", "first_full_prefill")
 
 
@@ -69,7 +79,11 @@ class LedgerInputs:
     max_prefill_tokens: int = 16384
     page_size: int = 1
     cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
+    cuda_graph_max_bs_prefill: int | None = None
+    cuda_graph_bs_prefill: tuple[int, ...] | None = None
     disable_cuda_graph: bool = False
+    disable_prefill_graph: bool = False
     enable_hierarchical_cache: bool = False
     hicache_size_gb: float = 0.0
     hicache_ratio: float = 2.0
@@ -106,6 +120,8 @@ class Ledger:
     mem_fraction_static: float
     mem_fraction_reason: str
     graph_reserve_bytes: int
+    graph_batch_sizes: tuple[int, ...]
+    graph_prefill_tokens: tuple[int, ...]
     prefill_activation_bytes: int
     logits_bytes: int
     headroom_bytes: int
@@ -141,32 +157,53 @@ def _cuda_defaults(device_memory_bytes: int, tp: int) -> tuple[int, int]:
     return 16384, 512
 
 
-def prefill_graph_sizes(max_tokens: int) -> list[int]:
-    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64)]
-    sizes += [*range(1280, 4097, 256), *range(4608, max_tokens + 1, 512)]
-    return [s for s in sizes if s <= max_tokens]
-
-
-def graph_reserve(inp: LedgerInputs, max_bs: int, chunk: int) -> tuple[int, str]:
-    """SGLang's reserve_for_graph on CUDA: decode max_bs x 2 MiB + prefill sizes x 8 MiB (MLA: + 1536 MiB)."""
+def graph_batch_sizes(inp: LedgerInputs, max_bs: int, mrr: int) -> tuple[int, ...]:
+    """The decode batch sizes startup captures: --cuda-graph-bs or SGLang's list up to max_bs, capped at the
+    running-request limit (which is appended when it cuts the list short)."""
     if inp.disable_cuda_graph:
+        return ()
+    sizes = sorted(set(inp.cuda_graph_bs)) if inp.cuda_graph_bs else decode_graph_batch_sizes(max_bs)
+    capped = [b for b in sizes if b <= mrr]
+    if len(capped) < len(sizes) and mrr not in capped:
+        capped.append(mrr)
+    return tuple(capped)
+
+
+def graph_prefill_tokens(inp: LedgerInputs, chunk: int) -> tuple[int, ...]:
+    """The prefill token counts startup captures: --cuda-graph-bs-prefill, or SGLang's buckets up to
+    --cuda-graph-max-bs-prefill (default: the chunk size on CUDA; none on the CPU, see CPU_PREFILL_GRAPH_MAX_TOKENS)."""
+    if inp.disable_cuda_graph or inp.disable_prefill_graph:
+        return ()
+    if inp.cuda_graph_bs_prefill:
+        return tuple(sorted(set(inp.cuda_graph_bs_prefill)))
+    default = chunk if inp.device.startswith("cuda") else CPU_PREFILL_GRAPH_MAX_TOKENS
+    limit = inp.cuda_graph_max_bs_prefill if inp.cuda_graph_max_bs_prefill is not None else default
+    return tuple(prefill_graph_token_sizes(limit))
+
+
+def graph_reserve(inp: LedgerInputs, sizes: tuple[int, ...], prefill: tuple[int, ...]) -> tuple[int, str]:
+    """CUDA: SGLang's reserve_for_graph, decode max_bs x 2 MiB + prefill sizes x 8 MiB (MLA: + 1536 MiB). CPU: the
+    compiler's runtime plus each compiled shape's code and buffers."""
+    if not sizes and not prefill:
         return 0, "graphs disabled"
+    max_bs, n = max(sizes, default=0), len(prefill)
     if not inp.device.startswith("cuda"):
-        if inp.cuda_graph_max_bs is None:
-            return 0, "no graph capture on cpu"
-        return max_bs * 2 * MIB, f"decode bs <= {max_bs} x 2 MiB"
+        shapes = len(sizes) + n
+        return CPU_COMPILER_BYTES + shapes * CPU_COMPILED_STEP_BYTES, (
+            f"compiler runtime {CPU_COMPILER_BYTES // MIB} MiB + ({len(sizes)} decode steps (bs <= {max_bs}) + "
+            f"{n} prefill sizes) x {CPU_COMPILED_STEP_BYTES // MIB} MiB compiled"
+        )
     if _is_mla(text_config(inp.hf_config)):
         return (max_bs * 2 + 1536) * MIB, f"decode bs <= {max_bs} x 2 MiB + MLA 1536 MiB"
-    n = len(prefill_graph_sizes(chunk))
-    return (
-        max_bs * 2 + n * 8
-    ) * MIB, f"decode bs <= {max_bs} x 2 MiB + {n} prefill sizes (<= {chunk}) x 8 MiB"
+    top = f" (<= {max(prefill)})" if prefill else ""
+    return (max_bs * 2 + n * 8) * MIB, f"decode bs <= {max_bs} x 2 MiB + {n} prefill sizes{top} x 8 MiB"
 
 
 def sglang_reserve(inp: LedgerInputs, chunk: int) -> int:
     """SGLang's default slack (MiB math of its mem_fraction_static heuristic), in bytes."""
     _, max_bs = _cuda_defaults(inp.device_memory_bytes, inp.tp_size)
-    graph, _ = graph_reserve(inp, inp.cuda_graph_max_bs or max_bs, chunk)
+    max_bs = inp.cuda_graph_max_bs or max_bs
+    graph, _ = graph_reserve(inp, graph_batch_sizes(inp, max_bs, max_bs), graph_prefill_tokens(inp, chunk))
     reserved = (512 + max(chunk, 2048) * 1.5 + inp.tp_size / 8 * 1024) * MIB + graph
     if inp.device_memory_bytes > 60 * GIB:
         reserved = max(reserved, 10240 * MIB)
@@ -383,7 +420,7 @@ def compute_core(inp: LedgerInputs) -> Ledger:
     static, full_cell = weights + draft_w + head_copy, cell + draft_cell
     ctx = inp.context_length or context_len_of(hf)
     default_chunk, default_bs = (
-        _cuda_defaults(inp.device_memory_bytes, tp) if cuda else (CPU_CHUNKED_PREFILL_SIZE, 0)
+        _cuda_defaults(inp.device_memory_bytes, tp) if cuda else (CPU_CHUNKED_PREFILL_SIZE, CPU_GRAPH_MAX_BS)
     )
     chunk = inp.chunked_prefill_size or default_chunk
     prefill_tokens = min(chunk, inp.max_prefill_tokens) if chunk > 0 else max(inp.max_prefill_tokens, ctx)
@@ -391,9 +428,11 @@ def compute_core(inp: LedgerInputs) -> Ledger:
     overhead = RUNTIME_OVERHEAD_BYTES + (tp * GIB // 8 if cuda else 0)
     vocab = _req(cfg, "vocab_size")
 
+    prefill_graphs = graph_prefill_tokens(inp, chunk if chunk > 0 else prefill_tokens)
+
     def parts(mrr: int) -> tuple[int, str, int, int]:
-        max_bs = min(inp.cuda_graph_max_bs or default_bs, mrr)
-        graph, graph_text = graph_reserve(inp, max_bs, chunk if chunk > 0 else prefill_tokens)
+        sizes = graph_batch_sizes(inp, inp.cuda_graph_max_bs or default_bs, mrr)
+        graph, graph_text = graph_reserve(inp, sizes, prefill_graphs)
         return graph, graph_text, mrr * vocab * 4, mrr * ctx * 8
 
     def need_at(mrr: int) -> int:
@@ -453,6 +492,8 @@ def compute_core(inp: LedgerInputs) -> Ledger:
         lines=tuple(lines), kv_bytes_per_token=full_cell, weight_bytes=static, max_total_num_tokens=tokens,
         max_running_requests=mrr, context_len=ctx, chunked_prefill_size=chunk, max_prefill_tokens=inp.max_prefill_tokens,
         mem_fraction_static=min(1.0, sizing.mfs), mem_fraction_reason=sizing.reason, graph_reserve_bytes=graph,
+        graph_batch_sizes=graph_batch_sizes(inp, inp.cuda_graph_max_bs or default_bs, mrr),
+        graph_prefill_tokens=prefill_graphs,
         prefill_activation_bytes=prefill, logits_bytes=logits, headroom_bytes=headroom,
         fits=failure is None, failure=failure, device=inp.device, tp_size=tp,
     )  # fmt: skip

@@ -14,7 +14,7 @@ from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.models.config import ModelConfig
 from kiln.models.weight_utils import default_weight_loader
-from kiln.runner.forward_batch import ForwardBatch
+from kiln.runner.forward_batch import ForwardBatch, Pieces
 
 # checkpoint name fragment -> (merged parameter name fragment, shard id)
 STACKED_PARAMS = [
@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, cos_sin: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rotary, attn) -> torch.Tensor:
+    def qkv(self, cos_sin: torch.Tensor, x: torch.Tensor, rotary) -> tuple[torch.Tensor, ...]:
+        """[T, hidden] -> q [T, Hq, D], k and v [T, Hk, D], q and k rotated."""
         qkv = self.qkv_proj(x)
         t, hq, hk, d = qkv.shape[0], self.q_heads, self.kv_heads, self.head_dim
         if self.qk_norm:
@@ -53,10 +54,7 @@ class LlamaAttention(nn.Module):
         else:
             qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)  # q and k are adjacent: rotate them together
         qk = rotary.apply(qk, cos_sin)
-        q, k = qk[:, :hq], qk[:, hq:]
-        v = qkv[:, (hq + hk) * d :].view(t, hk, d)
-        out = attn.forward(self.layer_id, q, k, v, fb, self.scale)
-        return self.o_proj(out)
+        return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hk) * d :].view(t, hk, d)
 
 
 class LlamaMLP(nn.Module):
@@ -78,9 +76,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, cos_sin, h: torch.Tensor, fb: ForwardBatch, rotary, attn) -> torch.Tensor:
-        h = h + self.self_attn(cos_sin, self.input_layernorm(h), fb, rotary, attn)
+    # A layer is two attention-free pieces around the attention call, so that graph capture can take the pieces
+    # at fixed token counts while attention, whose shapes follow the batch's sequences, runs in between.
+    def before_attention(self, cos_sin, h: torch.Tensor, rotary) -> tuple[torch.Tensor, ...]:
+        return self.self_attn.qkv(cos_sin, self.input_layernorm(h), rotary)
+
+    def after_attention(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.o_proj(attn_out)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, cos_sin, h: torch.Tensor, fb: ForwardBatch, rotary, attn, pieces: Pieces | None = None):
+        before = pieces.before if pieces else LlamaDecoderLayer.before_attention
+        after = pieces.after if pieces else LlamaDecoderLayer.after_attention
+        q, k, v = before(self, cos_sin, h, rotary)
+        n, sa = fb.out_cache_loc.shape[0], self.self_attn  # padded rows (pieces) never reach attention
+        out = attn.forward(sa.layer_id, q[:n], k[:n], v[:n], fb, sa.scale)
+        return after(self, h, pieces.pad(out) if pieces else out)
 
 
 class LlamaModel(nn.Module):
@@ -108,12 +119,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(self.cfg.hf_config, max_positions).to(device)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        h = self.model.embed_tokens(fb.input_ids)
-        cos_sin = self.rotary.cos_sin_for(fb.positions, h.dtype)
+    def forward(self, fb: ForwardBatch, pieces: Pieces | None = None) -> torch.Tensor:
+        ids, pos = (
+            (pieces.pad(fb.input_ids), pieces.pad(fb.positions)) if pieces else (fb.input_ids, fb.positions)
+        )
+        h = self.model.embed_tokens(ids)
+        cos_sin = self.rotary.cos_sin_for(pos, h.dtype)
         for layer in self.model.layers:
-            h = layer(cos_sin, h, fb, self.rotary, self.attn)
-        h = self.model.norm(h[fb.logits_index])
+            h = layer(cos_sin, h, fb, self.rotary, self.attn, pieces)
+        h = self.model.norm(h if fb.logits_index is None else h[fb.logits_index])
         return self.lm_head(h).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

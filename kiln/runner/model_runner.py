@@ -35,11 +35,23 @@ def _avail_gb(device: str) -> float:
     return available_memory_bytes(device) / GB
 
 
+def used_bytes(device: str) -> int:
+    """Memory in use by this process's device: the CUDA device's used bytes, or the process RSS on the CPU."""
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free)
+    from kiln.memory.measure import current_rss_bytes
+
+    return current_rss_bytes()
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
         self.model_config = model_config
         self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, device
         self.measured: dict[str, int] = {}
+        self.graphs = None  # a GraphRunner once decode graphs were captured
+        self.last_forward_graph = False
 
     def load(self, max_positions: int, on_progress=None, prepack: bool = True) -> None:
         before = _avail_gb(self.device)
@@ -91,6 +103,11 @@ class ModelRunner:
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         t0 = time.perf_counter()
-        logits = self.model(fb)
+        if self.device != "cpu":
+            fb = fb.to(self.device)
+        logits = self.graphs.try_run(fb) if self.graphs is not None else None
+        self.last_forward_graph = logits is not None
+        if logits is None:
+            logits = self.model(fb)
         self.last_forward_seconds = time.perf_counter() - t0
         return logits

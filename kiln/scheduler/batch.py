@@ -43,7 +43,7 @@ def build_decode(reqs: list[Req], table: ReqToTokenPool, new_slots: torch.Tensor
     mask = None
     if int(seq_lens.min()) != max_len:
         valid = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)
-        kv_table = kv_table.masked_fill(~valid, 0)
+        kv_table = kv_table.masked_fill(~valid.to(kv_table.device), 0)
         mask = valid.view(len(reqs), 1, 1, max_len)
     return ForwardBatch(
         mode=ForwardMode.DECODE,

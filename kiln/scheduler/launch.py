@@ -67,7 +67,11 @@ def plan(args: ServerArgs, model_config: ModelConfig, device: str) -> Ledger:
             max_prefill_tokens=args.max_prefill_tokens,
             page_size=args.page_size,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
-            disable_cuda_graph=args.disable_cuda_graph or device == "cpu",
+            cuda_graph_bs=args.cuda_graph_bs,
+            cuda_graph_max_bs_prefill=args.cuda_graph_max_bs_prefill,
+            cuda_graph_bs_prefill=args.cuda_graph_bs_prefill,
+            disable_cuda_graph=args.disable_cuda_graph,
+            disable_prefill_graph=args.disable_prefill_graph,
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_size_gb=args.hicache_size,
             hicache_ratio=args.hicache_ratio,
@@ -75,6 +79,24 @@ def plan(args: ServerArgs, model_config: ModelConfig, device: str) -> Ledger:
             weight_prepack=not args.disable_weight_prepack,
         )
     )
+
+
+def capture_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, on_progress) -> None:
+    from kiln.runner.graph_runner import GraphRunner, default_compile_cache_dir
+
+    graphs = GraphRunner(
+        runner.model,
+        runner.device,
+        list(ledger.graph_batch_sizes),
+        list(ledger.graph_prefill_tokens),
+        kv_width=ledger.context_len,
+        cache_dir=args.compile_cache_dir
+        or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        or default_compile_cache_dir(),
+    )
+    graphs.capture(on_progress)
+    runner.graphs = graphs
+    runner.measured["graph_capture"] = graphs.capture_bytes
 
 
 def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None = None) -> EngineParts:
@@ -113,6 +135,15 @@ def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None 
             ledger.max_total_num_tokens, ledger.max_running_requests, ledger.context_len, args.page_size
         )
     )
+    if device == "cpu" and not ledger.graph_batch_sizes and not args.disable_cuda_graph:
+        logger.info(
+            "Decode graphs are off on the CPU by default: each batch size is a 40-50 s compile at the first start and "
+            "the compiled steps measured 0.91-1.06x of eager end to end (docs/benchmarks.md); "
+            "--cuda-graph-max-bs N or --cuda-graph-bs compiles them."
+        )
+    if ledger.graph_batch_sizes or ledger.graph_prefill_tokens:
+        phase("capturing", {})
+        capture_graphs(runner, ledger, args, lambda info: phase("progress", info))
     chunk = ledger.chunked_prefill_size
     scheduler = Scheduler(
         runner,

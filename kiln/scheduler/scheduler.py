@@ -345,7 +345,7 @@ class Scheduler:
         self._decode_tokens_since_log, self._decode_log_t0 = 0, now
         logger.info(
             f"Decode batch, #running-req: {len(self.running)}, #token: {self.used_tokens()}, "
-            f"token usage: {self.token_usage():.2f}, cuda graph: False, gen throughput (token/s): {tput:.2f}, "
+            f"token usage: {self.token_usage():.2f}, cuda graph: {self.runner.last_forward_graph}, gen throughput (token/s): {tput:.2f}, "
             f"#queue-req: {len(self.waiting)}"
         )
 

@@ -92,6 +92,7 @@ def server_info(parts) -> dict:
         "ledger": ledger.to_dict(),
         "measured": measured,
         "memory_check": memory_check(ledger, measured),
+        "graphs": runner.graphs.summary() if runner.graphs is not None else None,
         "pid": os.getpid(),
     }
 

@@ -120,6 +120,7 @@ class Launcher:
             return
         self.state.info = info
         self.state.startup.ledger = info.get("ledger")
+        self.state.startup.graphs = info.get("graphs")
         tokenizer = await tokenizer_future
         client = EngineClient(self.engine_addr, self.front_addr)
         if not self.args.disable_metrics:

@@ -21,6 +21,7 @@ class StartupState:
         self.error: dict | None = None
         self.ledger: dict | None = None
         self.memory_check: list | None = None
+        self.graphs: dict | None = None
         self._t0 = self._phase_start = time.time()
         self._events_file = events_file
         self._lock = threading.Lock()
@@ -66,6 +67,8 @@ class StartupState:
             "error": self.error,
             "elapsed": round(time.time() - self._t0, 3),
             "ledger": self.ledger,
+            "memory_check": self.memory_check,
+            "graphs": self.graphs,
         }
 
     def _emit(self, record: dict) -> None:

@@ -1,0 +1,406 @@
+"""The graph runner: decode steps at fixed batch sizes and prefills at fixed token counts, captured once at
+startup and replayed.
+
+Apart from the model runner, it only calls the model. Decode: on CUDA a torch.cuda.CUDAGraph over static input
+buffers; on the CPU the step compiled by torch.compile (inductor), batch size static, KV length dynamic. Prefill:
+the layers' attention-free halves compiled per token count ("pieces"; attention, whose shapes follow the
+batch's sequences, runs eagerly between them). Compiled code is cached on disk so that a second start reuses it.
+Shapes are captured largest first, prefill before decode. A batch pads up to the next captured shape (decode:
+dummy rows at the reserved padding slot 0; prefill: rows attention never sees, at most 2x); larger batches and,
+on the CPU, shapes whose compiled code measured slower than eager run eagerly.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln.runner.forward_batch import ForwardBatch, ForwardMode, Pieces
+from kiln.runner.graph_shapes import bucket_for, prefill_bucket_for
+
+logger = logging.getLogger("kiln")
+GB = 1 << 30
+
+# a compiled CPU shape measured slower than eager by more than this factor at capture is dropped (it runs
+# eagerly); within it, timing drift on a shared host would decide
+MAX_SLOWDOWN = 1.05
+# the KV length of the dummy decode batch used for capture (>= 2: a length of 1 would be specialised)
+CAPTURE_KV_LEN = 64
+# CUDA decode graphs gather every request's KV over a static table width; longer sequences run eagerly. The
+# gathered K and V take bs x width x kv heads x head dim x 2 x dtype bytes per layer inside the graph pool.
+CUDA_GRAPH_KV_WIDTH = 2048
+DecodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class ShapeRecord:
+    """One captured shape (decode batch size or prefill token count): time, memory, and whether it pays."""
+
+    size: int
+    seconds: float
+    mem_bytes: int
+    graph_ms: float | None = None
+    eager_ms: float | None = None
+    kept: bool = True
+    cache_hit: bool = False  # CPU: the compiled code came from the on-disk cache
+
+
+def default_compile_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "kiln", "compile")
+
+
+def _use_cache_dir(cache_dir: str | None, shapes: int) -> None:
+    if cache_dir:  # inductor reads its cache directory from the environment
+        os.makedirs(cache_dir, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 2 * shapes + 8)  # one compiled entry per shape
+
+
+# ---------------------------------------------------------------------------------------------- decode
+def pad_decode_inputs(fb: ForwardBatch, bs: int, min_len: int = 2) -> DecodeInputs:
+    """The batch's (ids, positions, out slots, [bs, L] KV table, [bs, 1, 1, L] mask), padded to bs rows (and to
+    at least min_len KV columns): dummy rows write slot 0 and attend to it alone."""
+    n, length = fb.kv_table.shape
+    pad_rows, pad_cols = bs - n, max(0, min_len - length)
+    mask = (
+        fb.kv_mask.view(n, length)
+        if fb.kv_mask is not None
+        else torch.ones(n, length, dtype=torch.bool, device=fb.kv_table.device)
+    )
+    mask = F.pad(mask, (0, pad_cols, 0, pad_rows))
+    mask[n:, 0] = True
+    table = F.pad(fb.kv_table, (0, pad_cols, 0, pad_rows))
+    rows = (F.pad(t, (0, pad_rows)) for t in (fb.input_ids, fb.positions, fb.out_cache_loc))
+    return tuple(_dense(t) for t in (*rows, table, mask.view(bs, 1, 1, -1)))  # type: ignore[return-value]
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A copy with plain row-major strides, size-1 dims included (the compiled code is guarded on strides)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def decode_batch(inputs: DecodeInputs) -> ForwardBatch:
+    ids, pos, loc, table, mask = inputs
+    return ForwardBatch(
+        ForwardMode.DECODE, ids, pos, loc, logits_index=None, kv_table=table, kv_mask=mask, shared_kv=False
+    )
+
+
+def dummy_decode_inputs(bs: int, length: int, device) -> DecodeInputs:
+    zeros = torch.zeros(bs, dtype=torch.int64, device=device)
+    mask = torch.zeros(bs, 1, 1, length, dtype=torch.bool, device=device)
+    mask[..., 0] = True
+    return (
+        zeros,
+        zeros.clone(),
+        zeros.clone(),
+        torch.zeros(bs, length, dtype=torch.int64, device=device),
+        mask,
+    )
+
+
+def _decode_step(model, ids, pos, loc, table, mask) -> torch.Tensor:
+    return model(decode_batch((ids, pos, loc, table, mask)))
+
+
+class CompiledDecode:
+    """CPU: one torch.compile'd step; each batch size compiles its own static-batch code, KV length dynamic."""
+
+    name = "inductor"
+
+    def __init__(self, model, device: str):
+        self.model, self.device = model, device
+        self.fn = torch.compile(_decode_step, dynamic=False)
+
+    def capture(self, bs: int) -> None:
+        inputs = dummy_decode_inputs(bs, CAPTURE_KV_LEN, self.device)
+        torch._dynamo.mark_dynamic(inputs[3], 1)
+        torch._dynamo.mark_dynamic(inputs[4], 3)
+        self.fn(self.model, *inputs)
+
+    def replay(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
+        return self.fn(self.model, *pad_decode_inputs(fb, bs))
+
+
+class CudaGraphDecode:
+    """CUDA: static input buffers of the largest size and one CUDAGraph per batch size in one shared pool. The
+    KV table has a static width; a batch with a longer sequence runs eagerly."""
+
+    name = "full"
+
+    def __init__(self, model, device: str, max_bs: int, kv_width: int):
+        self.model, self.kv_width = model, kv_width
+        self.buffers = dummy_decode_inputs(max_bs, kv_width, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _view(self, bs: int) -> DecodeInputs:
+        return tuple(t[:bs] for t in self.buffers)  # type: ignore[return-value]
+
+    def capture(self, bs: int) -> None:
+        inputs = self._view(bs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph: lazy initialisation must not be captured
+                _decode_step(self.model, *inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[bs] = _decode_step(self.model, *inputs)
+        self.pool = graph.pool()
+        self.graphs[bs] = graph
+
+    def replay(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
+        if fb.kv_table.shape[1] > self.kv_width:
+            raise ValueError(
+                f"a sequence of {fb.kv_table.shape[1]} tokens is above the graphs' {self.kv_width}"
+            )
+        inputs = pad_decode_inputs(fb, bs)
+        ids, pos, loc, table, mask = self._view(bs)
+        length = inputs[3].shape[1]
+        for dst, src in zip((ids, pos, loc), inputs[:3]):
+            dst.copy_(src)
+        table.zero_()
+        table[:, :length].copy_(inputs[3])
+        mask.zero_()
+        mask[..., :length].copy_(inputs[4])
+        self.graphs[bs].replay()
+        return self.outputs[bs].clone()
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+def dummy_extend_batch(tokens: int, device) -> ForwardBatch:
+    """One fresh prompt of `tokens` tokens whose KV all goes to the padding slot 0."""
+    slots = torch.zeros(tokens, dtype=torch.int64, device=device)
+    return ForwardBatch(
+        ForwardMode.EXTEND, slots.clone(), torch.arange(tokens, device=device), slots,
+        logits_index=torch.tensor([tokens - 1], device=device), extend_lens=[tokens], prefix_lens=[0],
+        seq_slots=[slots],
+    )  # fmt: skip
+
+
+class CompiledPrefill:
+    """Prefill on pieces: per token count, the layers' attention-free halves compiled once for every layer."""
+
+    name = "inductor-piecewise"
+
+    def __init__(self, model, device: str):
+        self.model, self.device = model, device
+        layer = type(model.model.layers[0])
+        self.before = torch.compile(layer.before_attention, dynamic=False)
+        self.after = torch.compile(layer.after_attention, dynamic=False)
+
+    def capture(self, tokens: int) -> None:
+        self.model(dummy_extend_batch(tokens, self.device), Pieces(self.before, self.after, tokens))
+
+    def replay(self, tokens: int, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb, Pieces(self.before, self.after, tokens))
+
+
+# ---------------------------------------------------------------------------------------------- the runner
+@dataclass
+class Phase:
+    """Decode or prefill: its sizes, its backend and what was captured."""
+
+    name: str
+    sizes: list[int]  # every size asked for, ascending: a batch's bucket is chosen among these
+    backend: CompiledDecode | CudaGraphDecode | CompiledPrefill
+    unit: str  # "bs" | "num_tokens"
+    records: dict[int, ShapeRecord]
+    seconds: float = 0.0
+    mem_bytes: int = 0
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(s for s, r in self.records.items() if r.kept)
+
+    def summary(self) -> dict:
+        return {
+            "backend": self.backend.name,
+            "sizes": self.sizes,
+            "captured": self.captured,
+            "capture_seconds": round(self.seconds, 3),
+            "capture_bytes": self.mem_bytes,
+            "shapes": [vars(r) for r in sorted(self.records.values(), key=lambda r: r.size)],
+        }
+
+
+class GraphRunner:
+    """Captures the prefill token counts and decode batch sizes at startup; runs a batch on the shape that fits."""
+
+    def __init__(
+        self,
+        model,
+        device: str,
+        batch_sizes: list[int],
+        prefill_tokens: list[int] | None = None,
+        kv_width: int = 0,
+        cache_dir: str | None = None,
+    ):
+        self.model, self.device = model, device
+        self.cuda = device.startswith("cuda")
+        _use_cache_dir(cache_dir, len(batch_sizes) + len(prefill_tokens or []))
+        self.phases: dict[str, Phase] = {}
+        if prefill_tokens:
+            self.phases["prefill"] = Phase(
+                "prefill", sorted(prefill_tokens), CompiledPrefill(model, device), "num_tokens", {}
+            )
+        if batch_sizes:
+            decode = (
+                CudaGraphDecode(model, device, max(batch_sizes), min(kv_width, CUDA_GRAPH_KV_WIDTH))
+                if self.cuda
+                else CompiledDecode(model, device)
+            )
+            self.phases["decode"] = Phase("decode", sorted(batch_sizes), decode, "bs", {})
+        self.failed_replays = 0
+
+    @property
+    def kind(self) -> str:
+        return "CUDA" if self.cuda else "CPU"
+
+    @property
+    def capture_bytes(self) -> int:
+        return sum(p.mem_bytes for p in self.phases.values())
+
+    def captured(self, phase: str = "decode") -> list[int]:
+        return self.phases[phase].captured if phase in self.phases else []
+
+    def capture(self, on_progress: Callable[[dict], None] | None = None) -> None:
+        """Prefill first, then decode; each largest first with gc frozen, reporting (i of n, shape, avail mem).
+        Afterwards a shape that would need a new compile in the serving loop raises instead (that batch then runs
+        eagerly): compiling is for startup only. (A per-call `set_stance("fail_on_recompile")` costs ~8 ms a
+        step; the process-wide flag costs nothing.)"""
+        gc.collect()
+        gc.freeze()
+        torch._dynamo.config.error_on_recompile = False
+        try:
+            for phase in self.phases.values():
+                self._capture_phase(phase, on_progress)
+        finally:
+            gc.unfreeze()
+            torch._dynamo.config.error_on_recompile = True
+
+    def _capture_phase(self, phase: Phase, on_progress) -> None:
+        from tqdm.auto import tqdm
+
+        from kiln.runner.model_runner import _avail_gb, used_bytes
+
+        sizes = sorted(phase.sizes, reverse=True)
+        t0, mem0 = time.perf_counter(), used_bytes(self.device)
+        shape = "num_tokens_per_req=1, bs" if phase.name == "decode" else "num_tokens"
+        logger.info(
+            f"Capture target {phase.name} {self.kind} graph begin. backend={phase.backend.name}, "
+            f"{shape}={phase.sizes}, avail mem={_avail_gb(self.device):.2f} GB"
+        )
+        desc = "Capturing batches" if phase.name == "decode" else "Capturing num tokens"
+        bar = tqdm(sizes, desc=desc, leave=False)
+        for i, size in enumerate(bar):
+            avail = _avail_gb(self.device)
+            bar.set_description(f"{desc} ({phase.unit}={size} avail_mem={avail:.2f} GB)")
+            if on_progress:
+                on_progress({"graph": phase.name, "shape": f"{phase.unit}={size}", "done": i, "total": len(sizes),
+                             "avail_mem_gb": round(avail, 2)})  # fmt: skip
+            phase.records[size] = self._capture_one(phase, size)
+        phase.seconds, phase.mem_bytes = time.perf_counter() - t0, max(0, used_bytes(self.device) - mem0)
+        logger.info(
+            f"Capture target {phase.name} {self.kind} graph end. elapsed={phase.seconds:.2f} s, "
+            f"mem usage={phase.mem_bytes / GB:.2f} GB, avail mem={_avail_gb(self.device):.2f} GB."
+        )
+
+    def _capture_one(self, phase: Phase, size: int) -> ShapeRecord:
+        from torch._dynamo.utils import counters
+
+        from kiln.runner.model_runner import used_bytes
+
+        t0, mem0, hits0 = (
+            time.perf_counter(),
+            used_bytes(self.device),
+            counters["inductor"]["fxgraph_cache_hit"],
+        )
+        phase.backend.capture(size)
+        rec = ShapeRecord(size, time.perf_counter() - t0, max(0, used_bytes(self.device) - mem0))
+        rec.cache_hit = counters["inductor"]["fxgraph_cache_hit"] > hits0
+        if not isinstance(phase.backend, CudaGraphDecode):
+            self._measure_payoff(phase, rec)
+        return rec
+
+    def _measure_payoff(self, phase: Phase, rec: ShapeRecord) -> None:
+        """Time the compiled shape against eager on a dummy batch; one measurably slower than eager (by more than
+        MAX_SLOWDOWN) is dropped."""
+        if phase.name == "decode":
+            inputs = dummy_decode_inputs(rec.size, CAPTURE_KV_LEN, self.device)
+            fb = decode_batch(inputs)
+        else:
+            fb = dummy_extend_batch(rec.size, self.device)
+        rec.graph_ms, rec.eager_ms = _time_pair(
+            lambda: phase.backend.replay(rec.size, fb), lambda: self.model(fb)
+        )
+        rec.kept = rec.graph_ms <= rec.eager_ms * MAX_SLOWDOWN
+        verdict = "kept" if rec.kept else f"does not pay: this {phase.name} shape runs eagerly"
+        hit = " (cache hit)" if rec.cache_hit else ""
+        logger.info(
+            f"Compiled {phase.name} {phase.unit}={rec.size} in {rec.seconds:.1f} s{hit}: {rec.graph_ms:.1f} ms "
+            f"vs eager {rec.eager_ms:.1f} ms ({rec.eager_ms / rec.graph_ms:.2f}x), {verdict}"
+        )
+
+    def try_run(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """Logits of the batch from its captured shape, or None when it must run eagerly."""
+        if fb.mode == ForwardMode.DECODE:
+            phase, n = self.phases.get("decode"), fb.kv_table.shape[0]
+            size = bucket_for(phase.sizes, n) if phase else None
+            if size is not None and n > 1 and _mostly_shared(fb):
+                size = None  # the eager path reads KV shared by the batch once: it wins there
+        else:
+            phase, n = self.phases.get("prefill"), int(fb.input_ids.shape[0])
+            size = prefill_bucket_for(phase.sizes, n) if phase else None
+        rec = phase.records.get(size) if phase is not None and size is not None else None
+        if rec is None or not rec.kept:
+            return None
+        try:
+            out = phase.backend.replay(size, fb)
+        except Exception as e:  # noqa: BLE001 - a shape that cannot run this batch leaves it to eager
+            self.failed_replays += 1
+            if self.failed_replays == 1:
+                logger.warning(
+                    f"{phase.name} graph {phase.unit}={size} could not run a batch ({e!r}); it ran eagerly"
+                )
+            return None
+        return out[:n] if phase.name == "decode" else out
+
+    def summary(self) -> dict:
+        return {name: phase.summary() for name, phase in self.phases.items()}
+
+
+def _time_pair(
+    graph: Callable, eager: Callable, budget_s: float = 2.0, most: int = 10
+) -> tuple[float, float]:
+    """Median ms of two callables, alternating call by call so drift of a shared host hits both alike; after two
+    warm-up rounds, as many rounds (3 to `most`) as fit in about budget_s."""
+    times: tuple[list[float], list[float]] = ([], [])
+    rounds, i = 2 + most, 0
+    while i < rounds:
+        for out, f in zip(times, (graph, eager)):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+        if i == 1:  # warm-up done: size the measured rounds by what one round costs
+            rounds = 2 + max(3, min(most, int(budget_s / (times[0][-1] + times[1][-1]))))
+        i += 1
+    return statistics.median(times[0][2:]) * 1e3, statistics.median(times[1][2:]) * 1e3
+
+
+def _mostly_shared(fb: ForwardBatch) -> bool:
+    """Whether at least half of the batch's KV entries are slots another request also reads (a common prefix)."""
+    entries = int(fb.kv_mask.sum()) if fb.kv_mask is not None else fb.kv_table.numel()
+    return 2 * torch.unique(fb.kv_table).numel() <= entries

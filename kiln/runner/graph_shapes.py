@@ -1,0 +1,54 @@
+"""Which shapes are captured as graphs: SGLang's decode batch-size and prefill token-count lists, and the
+bucket a batch pads up to."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+# a prefill that would pad by more than this factor to reach its bucket runs eagerly
+MAX_PREFILL_PADDING_FACTOR = 2.0
+# the CPU default for the largest captured decode batch: none. Every captured shape is a 40-50 s compile at the
+# first start (13-14 s from the cache after), and end to end the compiled steps measured 0.91-1.06x of eager on
+# this host (docs/benchmarks.md); --cuda-graph-max-bs N or --cuda-graph-bs turn them on
+CPU_GRAPH_MAX_BS = 0
+# the CPU default for prefill shapes: none. Each token count is a 5-10 s compile at startup, SGLang's list up to
+# the CPU chunk (2048) has 41, and only long prefills gain (docs/benchmarks.md); --cuda-graph-max-bs-prefill
+# or --cuda-graph-bs-prefill turn them on
+CPU_PREFILL_GRAPH_MAX_TOKENS = 0
+
+
+def decode_graph_batch_sizes(max_bs: int, speculative: bool = False) -> list[int]:
+    """SGLang's decode lists, truncated to max_bs, with max_bs itself appended when missing."""
+    if speculative:
+        sizes = [
+            *range(1, 9),
+            *range(10, 33, 2),
+            *range(40, 65, 4),
+            *range(72, 257, 8),
+            *range(272, 4097, 16),
+        ]
+    else:
+        sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, 4097, 32)]
+    sizes = [s for s in sizes if s <= max_bs]
+    if max_bs >= 1 and (not sizes or sizes[-1] != max_bs):
+        sizes.append(max_bs)
+    return sizes
+
+
+def prefill_graph_token_sizes(max_tokens: int) -> list[int]:
+    """SGLang's prefill token buckets up to max_tokens (the chunked-prefill size)."""
+    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64)]
+    sizes += [*range(1280, 4097, 256), *range(4608, max_tokens + 1, 512)]
+    return [s for s in sizes if s <= max_tokens]
+
+
+def bucket_for(sizes: list[int], n: int) -> int | None:
+    """The smallest size in (sorted) `sizes` that holds n, or None when n is above them all."""
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def prefill_bucket_for(sizes: list[int], n: int) -> int | None:
+    """The prefill bucket for n tokens, or None when there is none or it would pad more than 2x."""
+    b = bucket_for(sizes, n)
+    return b if b is not None and b <= MAX_PREFILL_PADDING_FACTOR * n else None

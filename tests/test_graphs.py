@@ -1,0 +1,318 @@
+"""Decode graphs (on the CPU: compiled steps): SGLang's shape lists, padding with dummy rows, the ledger's
+reserve, and greedy outputs identical to eager and to transformers while requests join and leave, for batch
+sizes that hit, miss (pad up) and straddle (run eagerly above) the captured ones. Small random-weight models;
+the default model's figures are in benchmarks/bench_graphs.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+from conftest import ServerProcess
+from test_correctness import hf_greedy, load_hf
+
+import kiln
+from kiln.memory.ledger import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES, LedgerInputs, compute_ledger
+from kiln.runner import graph_runner
+from kiln.runner.forward_batch import ForwardBatch, ForwardMode
+from kiln.runner.graph_runner import pad_decode_inputs
+from kiln.runner.graph_shapes import (
+    bucket_for,
+    decode_graph_batch_sizes,
+    prefill_bucket_for,
+    prefill_graph_token_sizes,
+)
+from kiln.sampling_params import SamplingParams
+from kiln.scheduler.io import GenerateReq
+
+CAPTURED = (1, 2, 4)
+PREFILL = (16, 32, 64)  # token counts
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+def test_decode_batch_sizes_follow_sglang():
+    assert decode_graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert decode_graph_batch_sizes(24) == [1, 2, 4, 8, 12, 16, 24]
+    assert decode_graph_batch_sizes(10) == [1, 2, 4, 8, 10]  # max_bs appended when missing
+    assert len(decode_graph_batch_sizes(256)) == 36 and len(decode_graph_batch_sizes(512)) == 52
+    spec = decode_graph_batch_sizes(48, speculative=True)
+    assert spec[:10] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12] and spec[-3:] == [40, 44, 48]
+
+
+def test_prefill_token_sizes_and_padding_cap():
+    assert [len(prefill_graph_token_sizes(n)) for n in (4096, 8192, 16384)] == [50, 58, 74]
+    sizes = prefill_graph_token_sizes(4096)
+    assert sizes[:9] == [4, 8, 12, 16, 20, 24, 28, 32, 48]
+    assert bucket_for(sizes, 33) == 48 and bucket_for(sizes, 4097) is None
+    assert prefill_bucket_for(sizes, 1) is None  # 1 -> 4 pads 4x: eager
+    assert prefill_bucket_for(sizes, 2) == 4  # exactly 2x is allowed
+    assert prefill_bucket_for(sizes, 300) == 320
+
+
+def _ledger(**kw):
+    cfg = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+    )  # fmt: skip
+    gib = 1 << 30
+    return compute_ledger(
+        LedgerInputs(hf_config=cfg, device_memory_bytes=24 * gib, available_memory_bytes=20 * gib, **kw)
+    )
+
+
+def test_ledger_plans_the_captured_sizes_and_their_reserve():
+    assert _ledger().graph_batch_sizes == () and _ledger().graph_reserve_bytes == 0  # the CPU default: none
+    led = _ledger(cuda_graph_max_bs=8)
+    assert led.graph_batch_sizes == (1, 2, 4, 8)  # SGLang's list up to 8
+    assert led.graph_reserve_bytes == CPU_COMPILER_BYTES + 4 * CPU_COMPILED_STEP_BYTES
+    assert "4 decode steps (bs <= 8) + 0 prefill sizes" in led.line("graph reserve").inputs
+    capped = _ledger(max_running_requests=6, cuda_graph_max_bs=16)
+    assert capped.graph_batch_sizes == (1, 2, 4, 6)  # capped at the running requests, which is appended
+    assert _ledger(cuda_graph_bs=(3, 1)).graph_batch_sizes == (1, 3)
+    assert led.graph_prefill_tokens == ()  # the CPU default: prefill runs eagerly
+    pre = _ledger(cuda_graph_max_bs=8, cuda_graph_max_bs_prefill=64)
+    assert pre.graph_prefill_tokens == (4, 8, 12, 16, 20, 24, 28, 32, 48, 64)
+    assert pre.graph_reserve_bytes == CPU_COMPILER_BYTES + 14 * CPU_COMPILED_STEP_BYTES
+    assert _ledger(cuda_graph_bs_prefill=(64, 16)).graph_prefill_tokens == (16, 64)
+    assert _ledger(cuda_graph_bs_prefill=(16,), disable_prefill_graph=True).graph_prefill_tokens == ()
+    off = _ledger(disable_cuda_graph=True, cuda_graph_max_bs=8, cuda_graph_bs_prefill=(16,))
+    assert off.graph_batch_sizes == off.graph_prefill_tokens == () and off.graph_reserve_bytes == 0
+    assert off.headroom_bytes - led.headroom_bytes == led.graph_reserve_bytes
+
+
+def test_padding_rows_write_and_read_only_the_padding_slot():
+    table = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]]).view(2, 1, 1, 3)
+    fb = ForwardBatch(
+        ForwardMode.DECODE, torch.tensor([11, 12]), torch.tensor([2, 1]), torch.tensor([7, 9]),
+        torch.arange(2), kv_table=table, kv_mask=mask,
+    )  # fmt: skip
+    ids, pos, loc, tab, m = pad_decode_inputs(fb, 4)
+    assert ids.tolist() == [11, 12, 0, 0] and pos.tolist() == [2, 1, 0, 0] and loc.tolist() == [7, 9, 0, 0]
+    assert tab[:2].tolist() == table.tolist() and not tab[2:].any()
+    assert m.shape == (4, 1, 1, 3) and m.view(4, 3)[2:].tolist() == [[True, False, False]] * 2
+    assert all(t.is_contiguous() and t.stride()[-1] == 1 for t in (ids, tab, m))
+    one = ForwardBatch(
+        ForwardMode.DECODE, torch.tensor([3]), torch.tensor([0]), torch.tensor([4]), torch.arange(1),
+        kv_table=torch.tensor([[4]]),
+    )  # fmt: skip
+    assert pad_decode_inputs(one, 1)[3].tolist() == [[4, 0]]  # widened to 2 columns: never a length-1 shape
+
+
+# ---------------------------------------------------------------------------------------------- engines
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("compile-cache"))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama, cache_dir):
+    common = dict(model_path=tiny_llama, max_total_tokens=4096, max_running_requests=16, num_threads=1)
+    with pytest.MonkeyPatch.context() as mp:  # keep every shape: on a tiny model the payoff is noise
+        mp.setattr(graph_runner, "MAX_SLOWDOWN", 1e9)
+        graphs = kiln.Engine(
+            **common, cuda_graph_bs=CAPTURED, cuda_graph_bs_prefill=PREFILL, compile_cache_dir=cache_dir
+        )
+    eager = kiln.Engine(**common, disable_cuda_graph=True)
+    yield graphs, eager
+
+
+def _record_steps(eng) -> list[tuple[ForwardMode, int, bool]]:
+    runner = eng.scheduler.runner
+    steps: list[tuple[ForwardMode, int, bool]] = []
+    inner = type(runner).forward.__get__(runner)
+
+    def forward(fb):
+        out = inner(fb)
+        size = fb.batch_size if fb.mode == ForwardMode.DECODE else int(fb.input_ids.numel())
+        steps.append((fb.mode, size, runner.last_forward_graph))
+        return out
+
+    runner.forward = forward
+    return steps
+
+
+@dataclass
+class Run:
+    outs: dict[str, list[int]]  # rid -> generated ids
+    decodes: list[tuple[int, bool]]  # (batch size, ran on a graph) of every decode step
+    prefills: list[tuple[int, bool]]  # (tokens, ran on a graph) of every prefill
+
+
+def drive(eng, schedule: list[tuple[int, list[int], int]]) -> Run:
+    """Requests (arrival step, prompt, max new tokens) added while the engine steps."""
+    sched = eng.scheduler
+    sched.flush_cache()
+    steps = _record_steps(eng)
+    pending = sorted(enumerate(schedule), key=lambda x: x[1][0])
+    outs: dict[str, list[int]] = defaultdict(list)
+    step = 0
+    while pending or sched.has_work:
+        while pending and pending[0][1][0] <= step:
+            i, (_, ids, new) = pending.pop(0)
+            sched.add_request(
+                GenerateReq(f"r{i}", list(ids), SamplingParams(max_new_tokens=new, temperature=0.0))
+            )
+        for o in sched.step():
+            outs[o.rid].extend(o.new_ids)
+        step += 1
+        assert step < 500
+    del eng.scheduler.runner.forward
+    assert eng.check_integrity()["in_use"] == 0
+    decodes = [(n, on) for mode, n, on in steps if mode == ForwardMode.DECODE]
+    return Run(dict(outs), decodes, [(n, on) for mode, n, on in steps if mode == ForwardMode.EXTEND])
+
+
+def test_outputs_match_eager_and_transformers_while_requests_join_and_leave(engines, tiny_llama):
+    graphs, eager = engines
+    assert graphs.scheduler.runner.graphs.captured("decode") == list(CAPTURED)
+    assert graphs.scheduler.runner.graphs.captured("prefill") == list(PREFILL)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 3, 12, 8, 21)]
+    # three at once (pads to 4), a fourth joins (hits 4), three more (7: above the largest, eager), then they
+    # finish one by one (shrinking through 4, 3 -> 4, 2, 1)
+    news = [4, 14, 7, 10, 2, 16, 5, 9]
+    arrivals = [0, 0, 0, 2, 5, 5, 5, 9]
+    schedule = list(zip(arrivals, prompts, news))
+    run, ref = drive(graphs, schedule), drive(eager, schedule)
+    got, steps = run.outs, run.decodes
+    assert got == ref.outs
+    assert not any(on for _, on in ref.decodes + ref.prefills)
+    assert any(on and n not in PREFILL for n, on in run.prefills), run.prefills  # a prefill padded up
+    ran = {(bs, on) for bs, on in steps}
+    assert {(1, True), (2, True), (4, True)} <= ran, ran  # hits
+    assert (3, True) in ran, ran  # a miss padded up to 4
+    assert any(bs > 4 and not on for bs, on in ran), ran  # above the largest captured size: eager
+    assert not any(bs > 4 and on for bs, on in ran)
+    model = load_hf(tiny_llama)
+    for i, (ids, new) in enumerate(zip(prompts, news)):
+        ref, _ = hf_greedy(model, ids, new, {model.config.eos_token_id})
+        assert got[f"r{i}"] == ref, (i, got[f"r{i}"], ref)
+
+
+def test_prefills_that_pad_hit_or_fall_back_match_eager_and_transformers(engines, tiny_llama):
+    graphs, eager = engines
+    g = torch.Generator().manual_seed(3)
+    # alone, one at a time: 20 tokens pad to 32, 64 hit, 5 would pad 3.2x to 16 and 100 is above 64: eager
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (20, 64, 5, 100)]
+    schedule = [(40 * i, ids, 6) for i, ids in enumerate(prompts)]
+    run = drive(graphs, schedule)
+    assert run.prefills == [(20, True), (64, True), (5, False), (100, False)]
+    assert run.outs == drive(eager, schedule).outs
+    model = load_hf(tiny_llama)
+    for i, ids in enumerate(prompts):
+        assert run.outs[f"r{i}"] == hf_greedy(model, ids, 6, {model.config.eos_token_id})[0]
+
+
+def test_shared_prefix_batches_stay_on_the_eager_distinct_slot_path(engines):
+    graphs, eager = engines
+    prefix = list(range(200, 400))
+    schedule = [(0, prefix, 8), (1, prefix + [7, 8], 6), (1, prefix + [9], 6)]
+    run = drive(graphs, schedule)
+    assert run.outs == drive(eager, schedule).outs
+    assert any(bs >= 2 and not on for bs, on in run.decodes), (
+        run.decodes
+    )  # the shared prompt is read once, eagerly
+
+
+def test_a_shape_that_does_not_pay_runs_eagerly_and_says_so(tiny_llama, cache_dir, monkeypatch, caplog):
+    monkeypatch.setattr(graph_runner, "MAX_SLOWDOWN", 0.0)
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        eng = kiln.Engine(
+            model_path=tiny_llama, max_total_tokens=2048, max_running_requests=4, num_threads=1,
+            cuda_graph_bs=(2,), compile_cache_dir=cache_dir,
+        )  # fmt: skip
+    assert eng.scheduler.runner.graphs.captured() == []
+    assert "does not pay: this decode shape runs eagerly" in caplog.text
+    steps = drive(eng, [(0, [5, 6, 7], 4), (0, [8, 9], 4)]).decodes
+    assert steps and not any(on for _, on in steps)
+
+
+def test_a_batch_the_graph_cannot_run_falls_back_to_eager(engines):
+    graphs, eager = engines
+    phase = graphs.scheduler.runner.graphs.phases["decode"]
+    backend = phase.backend
+    calls = []
+
+    def broken(bs, fb):
+        calls.append(bs)
+        raise RuntimeError("Detected recompile")
+
+    phase.backend = type("Broken", (), {"replay": staticmethod(broken), "name": "broken"})()
+    try:
+        run = drive(graphs, [(0, [11, 12, 13], 5)])
+    finally:
+        phase.backend = backend
+    assert calls and not any(on for _, on in run.decodes)
+    assert run.outs == drive(eager, [(0, [11, 12, 13], 5)]).outs
+
+
+def test_second_start_reuses_the_compiled_code(tiny_llama, tmp_path):
+    """Two server starts on one fresh cache directory: the second loads every shape from the cache (inductor's
+    FX-graph cache hits), and the capture is reported in the startup events, /status and /get_server_info."""
+    args = ["--model-path", tiny_llama, "--max-total-tokens", "2048", "--max-running-requests", "4",
+            "--cuda-graph-bs", "1", "2", "--compile-cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    infos = []
+    for i in range(2):
+        events = tmp_path / f"events{i}.jsonl"
+        srv = ServerProcess([*args, "--startup-events", str(events)], tmp_path / f"s{i}.log")
+        try:
+            srv.wait_ready(timeout=600)
+            info = httpx.get(f"{srv.url}/get_server_info", timeout=30).json()
+            status = httpx.get(f"{srv.url}/status", timeout=30).json()
+            log = srv.log_text()
+        finally:
+            srv.stop()
+        infos.append(info)
+        recs = [json.loads(x) for x in events.read_text().splitlines()]
+        assert [r["phase"] for r in recs if r["event"] == "phase"].count("capturing") == 1
+        progress = [r for r in recs if r["event"] == "progress" and r["phase"] == "capturing"]
+        assert [(p["shape"], p["done"], p["total"]) for p in progress] == [("bs=2", 0, 2), ("bs=1", 1, 2)]
+        assert all(p["avail_mem_gb"] > 0 for p in progress)
+        assert (
+            "Capture target decode CPU graph begin. backend=inductor" in log and "graph end. elapsed=" in log
+        )
+        assert status["graphs"]["decode"]["sizes"] == [1, 2]
+        assert "capturing" in status["timings"]
+        rows = {r["name"]: r for r in info["memory_check"]}
+        assert rows["graph_capture"]["predicted"] == CPU_COMPILER_BYTES + 2 * CPU_COMPILED_STEP_BYTES
+        assert rows["graph_capture"]["measured"] == info["graphs"]["decode"]["capture_bytes"]
+    first, second = (i["graphs"]["decode"]["shapes"] for i in infos)
+    assert not any(s["cache_hit"] for s in first), first
+    assert all(s["cache_hit"] for s in second), second
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_match_eager_as_the_batch_shrinks_and_grows(tiny_llama):
+    common = dict(model_path=tiny_llama, device="cuda", max_total_tokens=4096, max_running_requests=16)
+    graphs = kiln.Engine(**common, cuda_graph_bs=CAPTURED)
+    eager = kiln.Engine(**common, disable_cuda_graph=True)
+    assert graphs.scheduler.runner.graphs.captured() == list(CAPTURED)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (6, 11, 4, 25, 9, 13)]
+    # grows 2 -> 3 (pads to 4) -> 6 (eager), shrinks back through 4, 2, 1; then grows again
+    schedule = list(zip([0, 0, 2, 4, 4, 4], prompts, [12, 3, 9, 5, 7, 2]))
+    schedule += [(40, prompts[0], 4), (41, prompts[1], 4)]
+    run = drive(graphs, schedule)
+    assert run.outs == drive(eager, schedule).outs
+    ran = set(run.decodes)
+    assert {(1, True), (2, True), (3, True), (4, True)} <= ran and any(bs > 4 and not on for bs, on in ran)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_capture_memory_within_the_ledger_reserve(tiny_llama):
+    eng = kiln.Engine(model_path=tiny_llama, device="cuda", max_total_tokens=4096, max_running_requests=16)
+    info = eng.scheduler.runner.graphs.summary()["decode"]
+    reserve = eng.parts.ledger.graph_reserve_bytes
+    assert info["sizes"] == list(eng.parts.ledger.graph_batch_sizes)
+    assert 0 < info["capture_bytes"] <= reserve, (info["capture_bytes"], reserve)
+    assert all(s["mem_bytes"] >= 0 for s in info["shapes"])
