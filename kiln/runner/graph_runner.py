@@ -279,8 +279,8 @@ class GraphRunner:
     def capture(self, on_progress: Callable[[dict], None] | None = None) -> None:
         """Prefill first, then decode; each largest first with gc frozen, reporting (i of n, shape, avail mem).
         Afterwards a shape that would need a new compile in the serving loop raises instead (that batch then runs
-        eagerly): compiling is for startup only. (A per-call `set_stance("fail_on_recompile")` costs ~8 ms a
-        step; the process-wide flag costs nothing.)"""
+        eagerly): compiling is for startup only. The flag is process-wide (a per-call stance would be checked
+        on every step); the next capture, of another engine in this process, lifts it while it compiles."""
         gc.collect()
         gc.freeze()
         torch._dynamo.config.error_on_recompile = False
