@@ -89,6 +89,26 @@ def available_memory_bytes(device: str) -> int:
     return host_available_bytes()
 
 
+def used_memory_bytes(device: str) -> int:
+    """Memory in use now: the CUDA device's used bytes, or this process's RSS on the CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free)
+    return current_rss_bytes()
+
+
+def current_rss_bytes() -> int:
+    """This process's resident memory."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def available_gb(device: str) -> float:
+    """available_memory_bytes in GB, as the startup log lines print it."""
+    return available_memory_bytes(device) / (1 << 30)
+
+
 def supports_graphs(device: str) -> bool:
     """Whether graph capture (CUDA graphs) is available on this device."""
     return device.startswith("cuda")

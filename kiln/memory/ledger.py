@@ -430,9 +430,11 @@ def compute_core(inp: LedgerInputs) -> Ledger:
 
     prefill_graphs = graph_prefill_tokens(inp, chunk if chunk > 0 else prefill_tokens)
 
+    def decode_graphs(mrr: int) -> tuple[int, ...]:
+        return graph_batch_sizes(inp, inp.cuda_graph_max_bs or default_bs, mrr)
+
     def parts(mrr: int) -> tuple[int, str, int, int]:
-        sizes = graph_batch_sizes(inp, inp.cuda_graph_max_bs or default_bs, mrr)
-        graph, graph_text = graph_reserve(inp, sizes, prefill_graphs)
+        graph, graph_text = graph_reserve(inp, decode_graphs(mrr), prefill_graphs)
         return graph, graph_text, mrr * vocab * 4, mrr * ctx * 8
 
     def need_at(mrr: int) -> int:
@@ -492,7 +494,7 @@ def compute_core(inp: LedgerInputs) -> Ledger:
         lines=tuple(lines), kv_bytes_per_token=full_cell, weight_bytes=static, max_total_num_tokens=tokens,
         max_running_requests=mrr, context_len=ctx, chunked_prefill_size=chunk, max_prefill_tokens=inp.max_prefill_tokens,
         mem_fraction_static=min(1.0, sizing.mfs), mem_fraction_reason=sizing.reason, graph_reserve_bytes=graph,
-        graph_batch_sizes=graph_batch_sizes(inp, inp.cuda_graph_max_bs or default_bs, mrr),
+        graph_batch_sizes=decode_graphs(mrr),
         graph_prefill_tokens=prefill_graphs,
         prefill_activation_bytes=prefill, logits_bytes=logits, headroom_bytes=headroom,
         fits=failure is None, failure=failure, device=inp.device, tp_size=tp,

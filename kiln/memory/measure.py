@@ -13,12 +13,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def current_rss_bytes() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
 def memory_check(ledger: Ledger, measured: dict[str, int]) -> list[dict]:
     """One row per figure both sides know: predicted bytes, measured bytes, relative error."""
     predicted = {

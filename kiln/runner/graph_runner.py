@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kiln.platform import available_gb, used_memory_bytes
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode, Pieces
 from kiln.runner.graph_shapes import bucket_for, prefill_bucket_for
 
@@ -57,7 +58,8 @@ def default_compile_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "kiln", "compile")
 
 
-def _use_cache_dir(cache_dir: str | None, shapes: int) -> None:
+def _configure_compiler(cache_dir: str | None, shapes: int) -> None:
+    """Inductor's on-disk cache directory, and room for one compiled entry per shape."""
     if cache_dir:  # inductor reads its cache directory from the environment
         os.makedirs(cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -250,7 +252,7 @@ class GraphRunner:
     ):
         self.model, self.device = model, device
         self.cuda = device.startswith("cuda")
-        _use_cache_dir(cache_dir, len(batch_sizes) + len(prefill_tokens or []))
+        _configure_compiler(cache_dir, len(batch_sizes) + len(prefill_tokens or []))
         self.phases: dict[str, Phase] = {}
         if prefill_tokens:
             self.phases["prefill"] = Phase(
@@ -294,42 +296,41 @@ class GraphRunner:
     def _capture_phase(self, phase: Phase, on_progress) -> None:
         from tqdm.auto import tqdm
 
-        from kiln.runner.model_runner import _avail_gb, used_bytes
-
         sizes = sorted(phase.sizes, reverse=True)
-        t0, mem0 = time.perf_counter(), used_bytes(self.device)
+        t0, mem0 = time.perf_counter(), used_memory_bytes(self.device)
         shape = "num_tokens_per_req=1, bs" if phase.name == "decode" else "num_tokens"
         logger.info(
             f"Capture target {phase.name} {self.kind} graph begin. backend={phase.backend.name}, "
-            f"{shape}={phase.sizes}, avail mem={_avail_gb(self.device):.2f} GB"
+            f"{shape}={phase.sizes}, avail mem={available_gb(self.device):.2f} GB"
         )
         desc = "Capturing batches" if phase.name == "decode" else "Capturing num tokens"
         bar = tqdm(sizes, desc=desc, leave=False)
         for i, size in enumerate(bar):
-            avail = _avail_gb(self.device)
+            avail = available_gb(self.device)
             bar.set_description(f"{desc} ({phase.unit}={size} avail_mem={avail:.2f} GB)")
             if on_progress:
                 on_progress({"graph": phase.name, "shape": f"{phase.unit}={size}", "done": i, "total": len(sizes),
                              "avail_mem_gb": round(avail, 2)})  # fmt: skip
             phase.records[size] = self._capture_one(phase, size)
-        phase.seconds, phase.mem_bytes = time.perf_counter() - t0, max(0, used_bytes(self.device) - mem0)
+        phase.seconds, phase.mem_bytes = (
+            time.perf_counter() - t0,
+            max(0, used_memory_bytes(self.device) - mem0),
+        )
         logger.info(
             f"Capture target {phase.name} {self.kind} graph end. elapsed={phase.seconds:.2f} s, "
-            f"mem usage={phase.mem_bytes / GB:.2f} GB, avail mem={_avail_gb(self.device):.2f} GB."
+            f"mem usage={phase.mem_bytes / GB:.2f} GB, avail mem={available_gb(self.device):.2f} GB."
         )
 
     def _capture_one(self, phase: Phase, size: int) -> ShapeRecord:
         from torch._dynamo.utils import counters
 
-        from kiln.runner.model_runner import used_bytes
-
         t0, mem0, hits0 = (
             time.perf_counter(),
-            used_bytes(self.device),
+            used_memory_bytes(self.device),
             counters["inductor"]["fxgraph_cache_hit"],
         )
         phase.backend.capture(size)
-        rec = ShapeRecord(size, time.perf_counter() - t0, max(0, used_bytes(self.device) - mem0))
+        rec = ShapeRecord(size, time.perf_counter() - t0, max(0, used_memory_bytes(self.device) - mem0))
         rec.cache_hit = counters["inductor"]["fxgraph_cache_hit"] > hits0
         if not isinstance(phase.backend, CudaGraphDecode):
             self._measure_payoff(phase, rec)

@@ -14,6 +14,7 @@ from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import KVPool
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.models.config import ModelConfig
+from kiln.platform import available_gb, current_rss_bytes
 from kiln.runner.attention import TorchAttentionBackend
 from kiln.runner.forward_batch import ForwardBatch
 
@@ -29,22 +30,6 @@ class PoolSizes:
     page_size: int
 
 
-def _avail_gb(device: str) -> float:
-    from kiln.platform import available_memory_bytes
-
-    return available_memory_bytes(device) / GB
-
-
-def used_bytes(device: str) -> int:
-    """Memory in use by this process's device: the CUDA device's used bytes, or the process RSS on the CPU."""
-    if device.startswith("cuda"):
-        free, total = torch.cuda.mem_get_info()
-        return int(total - free)
-    from kiln.memory.measure import current_rss_bytes
-
-    return current_rss_bytes()
-
-
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
         self.model_config = model_config
@@ -54,7 +39,7 @@ class ModelRunner:
         self.last_forward_graph = False
 
     def load(self, max_positions: int, on_progress=None, prepack: bool = True) -> None:
-        before = _avail_gb(self.device)
+        before = available_gb(self.device)
         logger.info(f"Load weight begin. avail mem={before:.2f} GB")
         self.model = load_model(
             self.model_config, self.dtype, self.device, max_positions, on_progress, prepack
@@ -70,7 +55,7 @@ class ModelRunner:
             logger.info(f"Prepacked {self.model.prepacked_weights} linear weights into oneDNN's CPU layout.")
         logger.info(
             f"Load weight end. elapsed={self.model.load_seconds:.2f} s, type={self.model_config.architecture}, "
-            f"dtype={self.dtype}, avail mem={_avail_gb(self.device):.2f} GB, mem usage={weight_bytes / GB:.2f} GB."
+            f"dtype={self.dtype}, avail mem={available_gb(self.device):.2f} GB, mem usage={weight_bytes / GB:.2f} GB."
         )
 
     def init_memory_pool(self, sizes: PoolSizes) -> None:
@@ -92,14 +77,12 @@ class ModelRunner:
         self.model.attn = TorchAttentionBackend(self.kv_pool)
         self.measured["kv_pool"] = self.kv_pool.k_bytes + self.kv_pool.v_bytes
         self.measured["req_table"] = self.table.req_to_token.nbytes
-        from kiln.memory.measure import current_rss_bytes
-
         self.measured["rss_after_pool"] = current_rss_bytes()
         logger.info(
             f"KV Cache is allocated. dtype: {self.kv_dtype}, #tokens: {sizes.max_total_num_tokens}, "
             f"K size: {self.kv_pool.k_bytes / GB:.2f} GB, V size: {self.kv_pool.v_bytes / GB:.2f} GB"
         )
-        logger.info(f"Memory pool end. avail mem={_avail_gb(self.device):.2f} GB")
+        logger.info(f"Memory pool end. avail mem={available_gb(self.device):.2f} GB")
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         t0 = time.perf_counter()
