@@ -1,10 +1,14 @@
 """Kiln's in-process engine against transformers `generate()`, side by side in one run, default model.
 
 Figures: batch-1 decode tok/s, 512-token prefill tok/s, and output tok/s of 64 requests with 128-token
-prompts and 128 new tokens, in float32 and bfloat16. Each figure is the median of --reps runs, the two
-engines alternating, so machine drift hits both alike.
+prompts and 128 new tokens, in float32 and bfloat16. Each figure is the median of --reps runs, the engines
+alternating, so machine drift hits them alike.
 
     python benchmarks/bench_core.py [--dtypes float32 bfloat16] [--reps 3] [--json out.json]
+                                    [--cuda-graph-max-bs N]
+
+`--cuda-graph-max-bs N` adds a third engine: Kiln with its decode steps compiled up to batch N (the CPU default
+compiles nothing, the first engine); its compile happens before the timed runs.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ class HFSide:
 
 
 class KilnSide:
-    def __init__(self, path: str, dtype: str):
+    def __init__(self, path: str, dtype: str, cuda_graph_max_bs: int | None):
         from kiln import Engine
 
+        graphs = {"cuda_graph_max_bs": cuda_graph_max_bs} if cuda_graph_max_bs else {}
         self.engine = Engine(
             model_path=path,
             dtype=dtype,
@@ -62,6 +67,7 @@ class KilnSide:
             max_running_requests=128,
             chunked_prefill_size=4096,
             disable_radix_cache=True,
+            **graphs,
         )
 
     def run(self, batch: list[list[int]], new: int) -> float:
@@ -81,7 +87,10 @@ def measure_once(side, vocab: int, seed: int) -> dict:
         "throughput_64x128": 64 * 128 / side.run(prompts(64, 128, vocab, seed + 200), 128),
     }
     print(
-        f"{type(side).__name__}: " + ", ".join(f"{k} {v:.1f}" for k, v in fig.items()) + " tok/s", flush=True
+        f"{getattr(side, 'name', type(side).__name__)}: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in fig.items())
+        + " tok/s",
+        flush=True,
     )
     return fig
 
@@ -91,6 +100,9 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None, help="compile Kiln's decode up to this batch"
+    )
     args = ap.parse_args()
     from kiln.loader.default_model import default_model_path
 
@@ -98,26 +110,34 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []
     for dtype in args.dtypes:
-        kiln = KilnSide(path, dtype)
-        hf = HFSide(path, getattr(torch, dtype))
-        vocab = kiln.engine.parts.model_config.vocab_size
-        for side in (kiln, hf):  # warm-up
+        sides = {"kiln": KilnSide(path, dtype, None)}
+        if args.cuda_graph_max_bs:
+            sides["kiln_graphs"] = compiled = KilnSide(path, dtype, args.cuda_graph_max_bs)
+            compiled.name = f"KilnSide(--cuda-graph-max-bs {args.cuda_graph_max_bs})"
+            print(
+                f"Kiln {dtype}: compiled decode batch sizes {compiled.engine.scheduler.runner.graphs.captured()}"
+            )
+        sides["transformers"] = HFSide(path, getattr(torch, dtype))
+        vocab = sides["kiln"].engine.parts.model_config.vocab_size
+        for side in sides.values():  # warm-up
             side.run(prompts(2, 32, vocab, 999), 4)
-        runs: dict[str, list[dict]] = {"kiln": [], "hf": []}
-        for r in range(args.reps):  # the engines alternate, so drift of the shared host hits both alike
-            runs["kiln"].append(measure_once(kiln, vocab, r))
-            runs["hf"].append(measure_once(hf, vocab, r))
-        for name in runs["kiln"][0]:
-            k = statistics.median(f[name] for f in runs["kiln"])
-            h = statistics.median(f[name] for f in runs["hf"])
-            rows.append({"dtype": dtype, "figure": name, "kiln": k, "transformers": h, "ratio": k / h})
-        del kiln, hf
-    print("| dtype | figure | Kiln tok/s | transformers tok/s | Kiln / transformers |")
-    print("|---|---|---|---|---|")
+        runs: dict[str, list[dict]] = {name: [] for name in sides}
+        for r in range(args.reps):  # the engines alternate, so drift of the shared host hits all alike
+            for name, side in sides.items():
+                runs[name].append(measure_once(side, vocab, r))
+        for figure in runs["kiln"][0]:
+            row = {"dtype": dtype, "figure": figure}
+            row.update({name: statistics.median(f[figure] for f in runs[name]) for name in sides})
+            rows.append(row)
+        del sides
+    compiled = ["kiln_graphs"] if args.cuda_graph_max_bs else []
+    head = ["Kiln", *(["Kiln compiled decode"] if compiled else []), "transformers", "Kiln / transformers"]
+    print("| dtype | figure | " + " | ".join(head) + (" | compiled / transformers |" if compiled else " |"))
+    print("|---" * (len(head) + 2 + len(compiled)) + "|")
     for r in rows:
-        print(
-            f"| {r['dtype']} | {r['figure']} | {r['kiln']:.1f} | {r['transformers']:.1f} | {r['ratio']:.2f}x |"
-        )
+        cells = [f"{r[name]:.1f}" for name in ("kiln", *compiled, "transformers")]
+        cells += [f"{r[name] / r['transformers']:.2f}x" for name in ("kiln", *compiled)]
+        print(f"| {r['dtype']} | {r['figure']} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

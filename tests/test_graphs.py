@@ -20,7 +20,7 @@ import kiln
 from kiln.memory.ledger import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES, LedgerInputs, compute_ledger
 from kiln.runner import graph_runner
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
-from kiln.runner.graph_runner import pad_decode_inputs
+from kiln.runner.graph_backends import pad_decode_inputs
 from kiln.runner.graph_shapes import (
     bucket_for,
     decode_graph_batch_sizes,
@@ -254,8 +254,9 @@ def test_a_batch_the_graph_cannot_run_falls_back_to_eager(engines):
 
 
 def test_second_start_reuses_the_compiled_code(tiny_llama, tmp_path):
-    """Two server starts on one fresh cache directory: the second loads every shape from the cache (inductor's
-    FX-graph cache hits), and the capture is reported in the startup events, /status and /get_server_info."""
+    """Two server starts on one fresh cache directory: the second loads every shape from the cache (AOTAutograd
+    and inductor cache hits, nothing compiled; a step that entered inference mode inside the traced code would
+    bypass AOTAutograd's cache and recompile), and the capture is reported in the startup events, /status and /get_server_info."""
     args = ["--model-path", tiny_llama, "--max-total-tokens", "2048", "--max-running-requests", "4",
             "--cuda-graph-bs", "1", "2", "--compile-cache-dir", str(tmp_path / "cache")]  # fmt: skip
     infos = []

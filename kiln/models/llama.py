@@ -118,7 +118,6 @@ class LlamaForCausalLM(nn.Module):
         """Non-parameter state, built after the weights were materialized off `meta`."""
         self.rotary = RotaryEmbedding(self.cfg.hf_config, max_positions).to(device)
 
-    @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pieces: Pieces | None = None) -> torch.Tensor:
         ids, pos = (
             (pieces.pad(fb.input_ids), pieces.pad(fb.positions)) if pieces else (fb.input_ids, fb.positions)

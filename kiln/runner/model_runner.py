@@ -88,9 +88,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.device != "cpu":
             fb = fb.to(self.device)
-        logits = self.graphs.try_run(fb) if self.graphs is not None else None
-        self.last_forward_graph = logits is not None
-        if logits is None:
-            logits = self.model(fb)
+        # inference mode is entered here, not inside the model: a compiled step that entered it itself would
+        # bypass AOTAutograd's cache, and a warm start would lower it again
+        with torch.inference_mode():
+            logits = self.graphs.try_run(fb) if self.graphs is not None else None
+            self.last_forward_graph = logits is not None
+            if logits is None:
+                logits = self.model(fb)
         self.last_forward_seconds = time.perf_counter() - t0
         return logits
