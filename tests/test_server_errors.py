@@ -163,6 +163,19 @@ def test_unknown_model_is_404(server, path):
     assert_still_serving(server.url)
 
 
+def test_unknown_paths_and_methods_get_the_error_shape(server):
+    """The router's own 404 and 405 (a path no route matches, such as a model name with a newline, which the
+    model route's pattern does not take) come in the OpenAI error shape too."""
+    for path in ("/v1/no-such-route", "/v1/models/a%0Ab"):
+        r = httpx.get(server.url + path, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"]
+    r = httpx.get(server.url + CMPL, timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    assert "POST" in r.headers["allow"]
+    assert_still_serving(server.url)
+
+
 def test_prompt_longer_than_context_names_the_numbers(server):
     ctx = httpx.get(f"{server.url}/get_server_info", timeout=30).json()["context_len"]
     check_error(

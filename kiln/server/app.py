@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam
@@ -63,6 +64,14 @@ def create_app(state: ServerState) -> FastAPI:
             f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid"),
             param,
         )
+
+    @app.exception_handler(HTTPException)
+    async def on_http(request: Request, exc: HTTPException):
+        """The router's own refusals (no such path, method not allowed) in the same error shape."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        resp = _err(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, code=code)
+        resp.headers.update(exc.headers or {})
+        return resp
 
     @app.exception_handler(InvalidParam)
     async def on_invalid(request: Request, exc: InvalidParam):
