@@ -17,7 +17,8 @@ from conftest import ServerProcess
 from test_correctness import hf_greedy, load_hf
 
 import kiln
-from kiln.memory.ledger import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES, LedgerInputs, compute_ledger
+from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
+from kiln.memory.ledger import LedgerInputs, compute_ledger
 from kiln.runner import graph_runner
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 from kiln.runner.graph_backends import pad_decode_inputs

@@ -7,9 +7,8 @@ import math
 
 import pytest
 
+from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
 from kiln.memory.ledger import (
-    CPU_COMPILED_STEP_BYTES,
-    CPU_COMPILER_BYTES,
     GIB,
     LedgerInputs,
     compute_ledger,

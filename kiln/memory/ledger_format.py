@@ -7,7 +7,8 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from kiln.memory.ledger import GIB, Ledger, LedgerInputs, dtype_bytes, gib, param_counts, weight_bytes
+from kiln.memory.ledger import Ledger, LedgerInputs, dtype_bytes, gib, param_counts, weight_bytes
+from kiln.memory.units import GIB
 
 MOMENT_WORDS = {
     "load_weights": "weight loading",

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-MIB = 1 << 20
-
 _DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4,
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
