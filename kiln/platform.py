@@ -7,6 +7,8 @@ from pathlib import Path
 
 import psutil
 
+from kiln.memory.units import GIB
+
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Values at or above this are "no limit" (cgroup v1 reports ~2^63 rounded to the page size).
 _UNLIMITED = 1 << 60
@@ -106,7 +108,7 @@ def current_rss_bytes() -> int:
 
 def available_gb(device: str) -> float:
     """available_memory_bytes in GB, as the startup log lines print it."""
-    return available_memory_bytes(device) / (1 << 30)
+    return available_memory_bytes(device) / GIB
 
 
 def supports_graphs(device: str) -> bool:

@@ -17,9 +17,8 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
     deadline = time.time() + timeout
     bar = tqdm(total=len(PHASES) - 1, desc="waiting for the server", disable=quiet, unit="phase")
     last_phase, misses = None, 0
-    client = httpx.Client(
-        timeout=5
-    )  # one connection for every poll: polling stays cheap next to a busy startup
+    # one connection for every poll: polling stays cheap next to a busy startup
+    client = httpx.Client(timeout=5)
     try:
         while time.time() < deadline:
             try:

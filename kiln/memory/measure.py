@@ -5,8 +5,7 @@ from __future__ import annotations
 import resource
 
 from kiln.memory.ledger import Ledger
-
-GB = 1 << 30
+from kiln.memory.units import GIB
 
 
 def peak_rss_bytes() -> int:
@@ -35,7 +34,7 @@ def memory_check(ledger: Ledger, measured: dict[str, int]) -> list[dict]:
 
 def format_check(rows: list[dict]) -> str:
     return "; ".join(
-        f"{r['name']} predicted {r['predicted'] / GB:.3f} GB, measured {r['measured'] / GB:.3f} GB "
+        f"{r['name']} predicted {r['predicted'] / GIB:.3f} GB, measured {r['measured'] / GIB:.3f} GB "
         f"({r['error'] * 100:+.1f}%)"
         for r in rows
     )

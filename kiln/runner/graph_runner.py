@@ -3,8 +3,7 @@ startup and replayed.
 
 Apart from the model runner, it only calls the model, through the backends of graph_backends.py (CUDA graphs or
 compiled steps for decode, compiled pieces for prefill). Compiled code is cached on disk so that a second start
-reuses it.
-Shapes are captured largest first, prefill before decode. A batch pads up to the next captured shape (decode:
+reuses it. Shapes are captured largest first, prefill before decode. A batch pads up to the next captured shape (decode:
 dummy rows at the reserved padding slot 0; prefill: rows attention never sees, at most 2x); larger batches and,
 on the CPU, shapes whose compiled code measured slower than eager run eagerly.
 """
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.memory.units import GIB
 from kiln.platform import available_gb, used_memory_bytes
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 from kiln.runner.graph_backends import (
@@ -36,7 +36,6 @@ from kiln.runner.graph_backends import (
 from kiln.runner.graph_shapes import bucket_for, prefill_bucket_for
 
 logger = logging.getLogger("kiln")
-GB = 1 << 30
 
 # a compiled CPU shape measured slower than eager by more than this factor at capture is dropped (it runs
 # eagerly); within it, timing drift on a shared host would decide
@@ -188,7 +187,7 @@ class GraphRunner:
         )
         logger.info(
             f"Capture target {phase.name} {self.kind} graph end. elapsed={phase.seconds:.2f} s, "
-            f"mem usage={phase.mem_bytes / GB:.2f} GB, avail mem={available_gb(self.device):.2f} GB."
+            f"mem usage={phase.mem_bytes / GIB:.2f} GB, avail mem={available_gb(self.device):.2f} GB."
         )
 
     def _capture_one(self, phase: Phase, size: int) -> ShapeRecord:

@@ -9,7 +9,7 @@ from bisect import bisect_left
 MAX_PREFILL_PADDING_FACTOR = 2.0
 # the CPU default for the largest captured decode batch: none. Every captured shape is a ~40 s compile at the
 # first start (~5 s from the cache after), which is most of a small model's startup; the compiled steps pay most
-# at batch 1 (1.30-1.33x; 1.09-1.24x at batch 8, 1.01-1.13x at 32, docs/benchmarks.md): --cuda-graph-max-bs 8
+# at batch 1 (1.21-1.33x; 1.09-1.24x at batch 8, 1.01-1.17x at 32, docs/benchmarks.md): --cuda-graph-max-bs 8
 # turns them on
 CPU_GRAPH_MAX_BS = 0
 # the CPU default for prefill shapes: none. Each token count is a 5-10 s compile at startup, SGLang's list up to

@@ -13,13 +13,13 @@ from kiln.loader.weights import load_model
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import KVPool
 from kiln.memory.req_to_token import ReqToTokenPool
+from kiln.memory.units import GIB
 from kiln.models.config import ModelConfig
 from kiln.platform import available_gb, current_rss_bytes
 from kiln.runner.attention import TorchAttentionBackend
 from kiln.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger("kiln")
-GB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ModelRunner:
             logger.info(f"Prepacked {self.model.prepacked_weights} linear weights into oneDNN's CPU layout.")
         logger.info(
             f"Load weight end. elapsed={self.model.load_seconds:.2f} s, type={self.model_config.architecture}, "
-            f"dtype={self.dtype}, avail mem={available_gb(self.device):.2f} GB, mem usage={weight_bytes / GB:.2f} GB."
+            f"dtype={self.dtype}, avail mem={available_gb(self.device):.2f} GB, mem usage={weight_bytes / GIB:.2f} GB."
         )
 
     def init_memory_pool(self, sizes: PoolSizes) -> None:
@@ -80,7 +80,7 @@ class ModelRunner:
         self.measured["rss_after_pool"] = current_rss_bytes()
         logger.info(
             f"KV Cache is allocated. dtype: {self.kv_dtype}, #tokens: {sizes.max_total_num_tokens}, "
-            f"K size: {self.kv_pool.k_bytes / GB:.2f} GB, V size: {self.kv_pool.v_bytes / GB:.2f} GB"
+            f"K size: {self.kv_pool.k_bytes / GIB:.2f} GB, V size: {self.kv_pool.v_bytes / GIB:.2f} GB"
         )
         logger.info(f"Memory pool end. avail mem={available_gb(self.device):.2f} GB")
 
