@@ -3,7 +3,8 @@ decode step could be built from, and what each costs (docs/benchmarks.md, "Graph
 
 Kernels over the projections of --layers layers (qkv, o, gate_up, down) at each batch size:
   mkl                 F.linear on plain weights (transformers' path)
-  onednn              oneDNN-prepacked weights: Kiln's eager and compiled path today
+  onednn              oneDNN-prepacked weights (Kiln's path where its own kernel is unavailable)
+  kiln                Kiln's blocked kernel (kiln/layers/csrc/blocked_gemm.cpp): Kiln's path on AVX2 CPUs
   inductor-reduction  torch.compile of an explicit multiply-and-sum over plain weights (weights stay graph
                       inputs, so the on-disk compile caches apply)
   inductor-template   torch.compile with inductor's freezing and max-autotune's CPP GEMM template (weights are
@@ -12,7 +13,8 @@ With --step, the whole decode step compiled with freezing and the CPP GEMM templ
 size (with --dynamic-batch, one graph for every batch size above 1), against Kiln's eager step, with the process
 memory each compile adds and the compile caches' verdict.
 
-    python benchmarks/bench_linear_kernels.py [--bs 1 8 32] [--layers 30] [--reps 20] [--step [--dynamic-batch]]
+    python benchmarks/bench_linear_kernels.py [--bs 1 8 32] [--layers 30] [--reps 20] [--kernels ...]
+                                              [--step [--dynamic-batch]]
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kiln.layers import cpu_gemm
+
 STEP_KV_LEN = 200  # the decode step's KV length per request
+KERNELS = ("mkl", "onednn", "kiln", "inductor-reduction", "inductor-template")
 
 
 def median_ms(fn, reps: int) -> float:
@@ -68,8 +73,8 @@ def reduction_matmul(xs: dict[int, torch.Tensor], weights: list[torch.Tensor]) -
     return [(w[:, None, :] * xs[w.shape[1]][None]).sum(-1).t() for w in weights]
 
 
-def kernels(mod: Projections, bs: int) -> dict[str, tuple[float, object]]:
-    """name -> (compile seconds, fn()) for one batch size."""
+def kernels(mod: Projections, bs: int, names: list[str]) -> dict[str, tuple[float, object]]:
+    """name -> (compile seconds, fn()) for one batch size, the kernels asked for."""
     xs = {k: torch.randn(bs, k) for k in {lin.in_features for lin in mod.linears}}
     plain = [lin.weight.detach() for lin in mod.linears]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in plain]
@@ -81,19 +86,26 @@ def kernels(mod: Projections, bs: int) -> dict[str, tuple[float, object]]:
         "mkl": (0.0, lambda: [F.linear(xs[w.shape[1]], w) for w in plain]),
         "onednn": (0.0, onednn_fn),
     }
-    torch._dynamo.reset()
-    reduction = torch.compile(reduction_matmul, dynamic=False)
-    t0 = time.perf_counter()
-    reduction(xs, plain)
-    out["inductor-reduction"] = (time.perf_counter() - t0, lambda: reduction(xs, plain))
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(
-        freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN"
-    ):
-        template = torch.compile(mod, dynamic=False)
+    kernel = cpu_gemm.blocked_kernel()
+    if kernel is not None:
+        blocked = [kernel.pack(w) for w in plain]
+        out["kiln"] = (0.0, lambda: [kernel.linear(xs[b.shape[1]], b) for b in blocked])
+    out = {name: v for name, v in out.items() if name in names}
+    if "inductor-reduction" in names:
+        torch._dynamo.reset()
+        reduction = torch.compile(reduction_matmul, dynamic=False)
         t0 = time.perf_counter()
-        template(xs)
-        out["inductor-template"] = (time.perf_counter() - t0, lambda: template(xs))
+        reduction(xs, plain)
+        out["inductor-reduction"] = (time.perf_counter() - t0, lambda: reduction(xs, plain))
+    if "inductor-template" in names:
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(
+            freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN"
+        ):
+            template = torch.compile(mod, dynamic=False)
+            t0 = time.perf_counter()
+            template(xs)
+            out["inductor-template"] = (time.perf_counter() - t0, lambda: template(xs))
     return out
 
 
@@ -103,9 +115,9 @@ def bench_kernels(args, shapes: list[tuple[int, int]]) -> None:
     print(f"{args.layers} layers of projections {shapes} (N, K), {mb:.0f} MB of float32 weights")
     with torch.no_grad():
         for bs in args.bs:
-            found = kernels(mod, bs)
+            found = kernels(mod, bs, args.kernels)
             ms = {name: median_ms(fn, args.reps) for name, (_, fn) in found.items()}
-            base = ms["onednn"]
+            base = ms.get("onednn", 1.0)
             for name, t in ms.items():
                 print(
                     f"bs={bs:<3} {name:<19} {t:7.2f} ms  {base / t:5.2f}x oneDNN  "
@@ -161,6 +173,7 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     ap.add_argument("--step", action="store_true", help="also the whole decode step (loads the model twice)")
     ap.add_argument(
         "--dynamic-batch", action="store_true", help="--step: one graph for every batch size above 1"

@@ -63,7 +63,8 @@ class ServerArgs:
     log_requests: bool = _f(False, "log every request")
     num_threads: int | None = _f(None, "torch CPU threads (default: all cores)")
     disable_weight_prepack: bool = _f(
-        False, "CPU: keep linear weights in their plain layout (F.linear) instead of oneDNN's prepacked one"
+        False,
+        "CPU: keep linear weights in their plain layout (F.linear) instead of a prepacked one (Kiln's or oneDNN's)",
     )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")

@@ -1,5 +1,6 @@
-"""Prepacked CPU weights: the same products as F.linear, every linear and the lm head packed at load, the tied
-embedding left readable, and the packed head copy counted where the ledger says."""
+"""Prepacked CPU weights, in Kiln's blocked layout and in oneDNN's: the same products as F.linear, every linear
+and the lm head packed at load, the tied embedding left readable, and the packed head copy counted where the
+ledger says."""
 
 from __future__ import annotations
 
@@ -11,20 +12,50 @@ from kiln.layers import cpu_gemm
 from kiln.loader.weights import load_model
 from kiln.models.config import ModelConfig
 
-pytestmark = pytest.mark.skipif(
-    cpu_gemm.prepack(torch.zeros(8, 8)) is None, reason="no oneDNN prepacking here"
-)
+pytestmark = pytest.mark.skipif(cpu_gemm.prepack(torch.zeros(16, 8)) is None, reason="no CPU prepacking here")
+AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_linear_matches_f_linear(rows):
+@pytest.fixture(params=["kiln", "onednn"])
+def layout(request, monkeypatch):
+    """Which packed layout prepack() picks: Kiln's blocked one (where the CPU has AVX2) or oneDNN's."""
+    if request.param == "kiln" and cpu_gemm.blocked_kernel() is None:
+        pytest.skip("Kiln's CPU kernel needs AVX2 and FMA")
+    if request.param == "onednn":
+        monkeypatch.setattr(cpu_gemm, "blocked_kernel", lambda: None)
+    return request.param
+
+
+def is_packed(w: torch.Tensor) -> bool:
+    return w.is_mkldnn or w.dim() == 3
+
+
+def test_kernel_builds_where_the_cpu_has_avx2():
+    assert (cpu_gemm.blocked_kernel() is not None) == AVX2
+    assert cpu_gemm.packed_layout_name() == ("Kiln's blocked" if AVX2 else "oneDNN's")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 64, 300])
+def test_packed_linear_matches_f_linear(layout, rows):
+    """Every row remainder of the kernel's 4-row tiles, an input width that is not a multiple of a vector, and a
+    bias; a 3-D input keeps its leading dims."""
     torch.manual_seed(rows)
     w, b, x = torch.randn(96, 40), torch.randn(96), torch.randn(rows, 40)
     packed = cpu_gemm.prepack(w)
-    assert packed is not None and packed.is_mkldnn
+    assert packed is not None and (packed.dim() == 3 if layout == "kiln" else packed.is_mkldnn)
     torch.testing.assert_close(
         cpu_gemm.linear(x, packed, b, packed=True), F.linear(x, w, b), rtol=1e-5, atol=1e-5
     )
+    x3 = x.view(1, rows, 40)
+    torch.testing.assert_close(cpu_gemm.linear(x3, packed, None, packed=True), F.linear(x3, w))
+
+
+def test_output_width_off_the_block_uses_onednn(layout):
+    """Kiln's layout needs the output features in blocks of 16; other weights take oneDNN's."""
+    w, x = torch.randn(100, 24), torch.randn(3, 24)
+    packed = cpu_gemm.prepack(w)
+    assert packed.is_mkldnn
+    torch.testing.assert_close(cpu_gemm.linear(x, packed, None, packed=True), F.linear(x, w))
 
 
 def test_only_float32_on_cpu_is_packed():
@@ -34,28 +65,28 @@ def test_only_float32_on_cpu_is_packed():
 
 @pytest.mark.parametrize("prepack", [True, False])
 @pytest.mark.parametrize("kind", ["tiny_llama", "tiny_qwen3"])  # untied and tied lm head
-def test_model_weights_packed_at_load(request, kind, prepack):
+def test_model_weights_packed_at_load(request, kind, prepack, layout):
     cfg = ModelConfig.load(request.getfixturevalue(kind))
     model = load_model(cfg, torch.float32, "cpu", 128, prepack=prepack)
     layer = model.model.layers[0]
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    assert all(m.weight.is_mkldnn == prepack for m in linears)
-    assert not model.model.embed_tokens.weight.is_mkldnn  # the embedding always gathers plain rows
+    assert all(is_packed(m.weight) == prepack for m in linears)
+    assert not is_packed(model.model.embed_tokens.weight)  # the embedding always gathers plain rows
     head = model.lm_head
     assert head.tied == cfg.tie_word_embeddings
     if head.tied:  # a second, packed copy of the shared matrix
         assert (head.packed_weight is not None) == prepack and head.weight is model.model.embed_tokens.weight
     else:  # swapped in place
-        assert head.packed_weight is None and head.weight.is_mkldnn == prepack
+        assert head.packed_weight is None and is_packed(head.weight) == prepack
     if prepack:
         assert model.prepacked_weights == 4 * cfg.num_layers + 1
         packed_head = head.packed_weight if head.tied else head.weight
         assert packed_head.nbytes == cfg.vocab_size * cfg.hidden_size * 4
 
 
-def test_packed_linear_under_torch_compile():
+def test_packed_linear_under_torch_compile(layout):
     """A compiled step keeps the packed matmul as one op (inductor would otherwise lower it to an `mm` that
-    cannot read oneDNN's layout and fail at run time)."""
+    cannot read the packed layout and fail at run time)."""
     torch.manual_seed(0)
     w, x = torch.randn(48, 32), torch.randn(5, 32)
     packed = cpu_gemm.prepack(w)

@@ -84,7 +84,7 @@ class LedgerInputs:
     hicache_ratio: float = 2.0
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
     draft_hf_config: dict | None = None  # speculative decoding draft model
-    weight_prepack: bool = True  # CPU float32: linear weights in oneDNN's layout (a tied lm head gets a copy)
+    weight_prepack: bool = True  # CPU float32: linear weights in a packed layout (a tied lm head gets a copy)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.layers.cpu_gemm import packed_layout_name
 from kiln.loader.weights import load_model
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import KVPool
@@ -52,7 +53,8 @@ class ModelRunner:
             self.measured["packed_lm_head"] = head_copy.nbytes
             weight_bytes += head_copy.nbytes
         if getattr(self.model, "prepacked_weights", 0):
-            logger.info(f"Prepacked {self.model.prepacked_weights} linear weights into oneDNN's CPU layout.")
+            layout = packed_layout_name()
+            logger.info(f"Prepacked {self.model.prepacked_weights} linear weights into {layout} CPU layout.")
         logger.info(
             f"Load weight end. elapsed={self.model.load_seconds:.2f} s, type={self.model_config.architecture}, "
             f"dtype={self.dtype}, avail mem={available_gb(self.device):.2f} GB, mem usage={weight_bytes / GIB:.2f} GB."
