@@ -8,9 +8,9 @@ from bisect import bisect_left
 # a prefill that would pad by more than this factor to reach its bucket runs eagerly
 MAX_PREFILL_PADDING_FACTOR = 2.0
 # the CPU default for the largest captured decode batch: none. Every captured shape is a ~40 s compile at the
-# first start (~5 s from the cache after), which is most of a small model's startup; the compiled steps pay most
-# at batch 1 (1.21-1.33x; 1.09-1.24x at batch 8, 1.01-1.17x at 32, docs/benchmarks.md): --cuda-graph-max-bs 8
-# turns them on
+# first start (~5 s from the cache after), which is most of a small model's startup; the compiled steps measured
+# 1.19-1.40x of eager at batch 1, 1.16-1.35x at 8 and 1.10-1.60x at 32 (docs/benchmarks.md, runs 6-7):
+# --cuda-graph-max-bs 8 turns them on
 CPU_GRAPH_MAX_BS = 0
 # the CPU default for prefill shapes: none. Each token count is a 5-10 s compile at startup, SGLang's list up to
 # the CPU chunk (2048) has 41, and only long prefills gain (docs/benchmarks.md); --cuda-graph-max-bs-prefill
