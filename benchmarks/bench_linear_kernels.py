@@ -68,6 +68,10 @@ class Projections(torch.nn.Module):
         return [lin(xs[lin.in_features]) for lin in self.linears]
 
 
+def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def reduction_matmul(xs: dict[int, torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """x W^T as a multiply-and-sum laid out [N, M]: each weight row is read once for the whole batch."""
     return [(w[:, None, :] * xs[w.shape[1]][None]).sum(-1).t() for w in weights]
@@ -77,20 +81,16 @@ def kernels(mod: Projections, bs: int, names: list[str]) -> dict[str, tuple[floa
     """name -> (compile seconds, fn()) for one batch size, the kernels asked for."""
     xs = {k: torch.randn(bs, k) for k in {lin.in_features for lin in mod.linears}}
     plain = [lin.weight.detach() for lin in mod.linears]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in plain]
-    onednn_fn = lambda: [  # noqa: E731
-        torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-        for w, p in zip(plain, packed)
-    ]
-    out: dict[str, tuple[float, object]] = {
-        "mkl": (0.0, lambda: [F.linear(xs[w.shape[1]], w) for w in plain]),
-        "onednn": (0.0, onednn_fn),
-    }
+    out: dict[str, tuple[float, object]] = {}
+    if "mkl" in names:
+        out["mkl"] = (0.0, lambda: [F.linear(xs[w.shape[1]], w) for w in plain])
+    if "onednn" in names:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in plain]
+        out["onednn"] = (0.0, lambda: [onednn(xs[p.shape[1]], p) for p in packed])
     kernel = cpu_gemm.blocked_kernel()
-    if kernel is not None:
+    if "kiln" in names and kernel is not None:
         blocked = [kernel.pack(w) for w in plain]
         out["kiln"] = (0.0, lambda: [kernel.linear(xs[b.shape[1]], b) for b in blocked])
-    out = {name: v for name, v in out.items() if name in names}
     if "inductor-reduction" in names:
         torch._dynamo.reset()
         reduction = torch.compile(reduction_matmul, dynamic=False)

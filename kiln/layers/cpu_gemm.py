@@ -3,9 +3,9 @@
 A float32 linear weight is packed once, at load, into a layout a CPU matmul reads faster than the plain one:
 Kiln's own blocked layout ([N / 16, K, 16], csrc/blocked_gemm.cpp, built with torch's C++ extension loader on
 first use) where the CPU has AVX2 and FMA, else oneDNN's blocked layout. Measured on this project's CPUs
-(docs/benchmarks.md): Kiln's kernel reads the weights at close to the memory bandwidth and runs 1.2-1.7x faster
-than oneDNN's prepacked matmul from 1 to 128 rows (0.96x at 512), which itself runs 1.5-1.9x faster than
-`F.linear`. `KILN_CPU_GEMM=onednn` keeps oneDNN's layout.
+(docs/benchmarks.md): Kiln's kernel reads the weights at close to the memory bandwidth and runs 1.5-1.6x faster
+than oneDNN's prepacked matmul at 1-8 rows and 1.1x at 32-128 (0.98x at 512); oneDNN's itself runs 1.2-1.8x
+faster than `F.linear` at decode batch sizes. `KILN_CPU_GEMM=onednn` keeps oneDNN's layout.
 """
 
 from __future__ import annotations
