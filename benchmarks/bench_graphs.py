@@ -6,6 +6,9 @@ in the same run / weight bytes read per step), and the capture time per shape of
 cache) and a second start (warm cache), each in a fresh process.
 
     python benchmarks/bench_graphs.py [--bs 1 8 32] [--prefill 128 512] [--reps 3] [--json out.json]
+        [--device cuda] [--model-path DIR]
+
+On CUDA the graphs are CUDA graphs (decode) and breakable prefill graphs, and the bandwidth is the GPU's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from bench_core import prompts
 PROMPT_LEN, NEW_TOKENS = 128, 64
 
 
-def engine(path: str, sizes: list[int] | None, prefill: list[int], cache_dir: str):
+def engine(path: str, sizes: list[int] | None, prefill: list[int], cache_dir: str, device: str = "cpu"):
     from kiln import Engine
 
     if sizes:
@@ -35,18 +38,18 @@ def engine(path: str, sizes: list[int] | None, prefill: list[int], cache_dir: st
         )
     else:
         opts = dict(disable_cuda_graph=True)
-    return Engine(model_path=path, max_total_tokens=32768, max_running_requests=64, **opts)
+    return Engine(model_path=path, device=device, max_total_tokens=32768, max_running_requests=64, **opts)
 
 
-def capture_only(path: str, sizes: list[int], prefill: list[int], cache_dir: str) -> None:
+def capture_only(path: str, sizes: list[int], prefill: list[int], cache_dir: str, device: str) -> None:
     """One start: capture the shapes and print the graph runner's summary as JSON."""
-    eng = engine(path, sizes, prefill, cache_dir)
+    eng = engine(path, sizes, prefill, cache_dir, device)
     print("SUMMARY " + json.dumps(eng.scheduler.runner.graphs.summary()), flush=True)
 
 
-def start(path: str, sizes: list[int], prefill: list[int], cache_dir: str) -> dict:
+def start(path: str, sizes: list[int], prefill: list[int], cache_dir: str, device: str) -> dict:
     cmd = [sys.executable, __file__, "--capture-only", "--cache-dir", cache_dir, "--bs", *map(str, sizes)]
-    cmd += ["--prefill", *map(str, prefill)]
+    cmd += ["--prefill", *map(str, prefill), "--model-path", path, "--device", device]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     line = next(x for x in out.stdout.splitlines() if x.startswith("SUMMARY "))
     return json.loads(line[len("SUMMARY ") :])
@@ -89,13 +92,13 @@ def prefill_tok_s(eng, tokens: int, vocab: int, seed: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
+def read_bandwidth_gbs(device: str = "cpu", gib: float = 1.0, reps: int = 5) -> float:
     """Best-of-reps read bandwidth of a sum over a buffer much larger than the caches."""
-    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x = torch.ones(int(gib * (1 << 30)) // 4, device=device)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        x.sum()
+        float(x.sum())  # a host read: the device has finished
         best = min(best, time.perf_counter() - t0)
     return x.nbytes / best / 1e9
 
@@ -115,24 +118,26 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model-path", default=None, help="default: Kiln's default model")
     ap.add_argument("--capture-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     from kiln.loader.default_model import default_model_path
 
-    path = default_model_path()
+    path, dev = args.model_path or default_model_path(), args.device
     if args.capture_only:
-        return capture_only(path, args.bs, args.prefill, args.cache_dir)
+        return capture_only(path, args.bs, args.prefill, args.cache_dir, dev)
     cache_dir = tempfile.mkdtemp(prefix="kiln-compile-")
-    first, second = (start(path, args.bs, args.prefill, cache_dir) for _ in range(2))
+    first, second = (start(path, args.bs, args.prefill, cache_dir, dev) for _ in range(2))
     from kiln.runner import graph_runner
 
     graph_runner.MAX_SLOWDOWN = float(
         "inf"
     )  # measure every compiled shape, whatever the capture-time check said
-    graph, eager = engine(path, args.bs, args.prefill, cache_dir), engine(path, None, [], cache_dir)
+    graph, eager = engine(path, args.bs, args.prefill, cache_dir, dev), engine(path, None, [], cache_dir, dev)
     vocab = graph.parts.model_config.vocab_size
-    bw = read_bandwidth_gbs()
+    bw = read_bandwidth_gbs(dev)
     wbytes = weight_bytes_per_step(graph.scheduler.runner.model)
     rows, differing = [], []
     for bs in args.bs:
@@ -186,6 +191,9 @@ def main() -> None:
                   f"{b['seconds'] / a['seconds'] * 100:.0f}% | {a['kept']}/{b['kept']} |")  # fmt: skip
         totals[0] += first[phase]["capture_seconds"]
         totals[1] += second[phase]["capture_seconds"]
+        mib = [f"{s['mem_bytes'] / 2**20:.1f}" for s in first[phase]["shapes"]]
+        print(f"| {phase} memory, first start: {first[phase]['capture_bytes'] / 2**20:.1f} MiB "
+              f"(per shape, MiB: {', '.join(mib)}) | | | | |")  # fmt: skip
     print(
         f"| all (capture phases, with the timing against eager) | {totals[0]:.1f} | {totals[1]:.1f} | {totals[1] / totals[0] * 100:.0f}% | |"
     )

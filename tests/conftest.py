@@ -63,7 +63,10 @@ def default_model() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama")))
+    """KILN_TINY_LLAMA names a copy built earlier by build_tiny_model, for machines without the default model
+    (whose tokenizer the build takes), such as a GPU machine that runs only the CUDA tests."""
+    prebuilt = os.environ.get("KILN_TINY_LLAMA")
+    return prebuilt or str(build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
 from kiln.memory.ledger import LedgerInputs, compute_ledger
 from kiln.runner import graph_runner
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
-from kiln.runner.graph_backends import pad_decode_inputs
+from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, pad_decode_inputs
 from kiln.runner.graph_shapes import (
     bucket_for,
     decode_graph_batch_sizes,
@@ -206,6 +206,7 @@ def test_prefills_that_pad_hit_or_fall_back_match_eager_and_transformers(engines
     run = drive(graphs, schedule)
     assert run.prefills == [(20, True), (64, True), (5, False), (100, False)]
     assert run.outs == drive(eager, schedule).outs
+
     model = load_hf(tiny_llama)
     for i, ids in enumerate(prompts):
         assert run.outs[f"r{i}"] == hf_greedy(model, ids, 6, {model.config.eos_token_id})[0]
@@ -291,12 +292,60 @@ def test_second_start_reuses_the_compiled_code(tiny_llama, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_match_eager_as_the_batch_shrinks_and_grows(tiny_llama):
-    common = dict(model_path=tiny_llama, device="cuda", max_total_tokens=4096, max_running_requests=16)
-    graphs = kiln.Engine(**common, cuda_graph_bs=CAPTURED)
+def _replaying_capture(fn, pool):
+    """Stands in for CUDA graph capture on the CPU: a replay runs fn again. What is left to test is what the CUDA
+    backends add around the graphs: static buffers shared by every size and layer, padding, the KV width."""
+    fn()
+    return fn, pool
+
+
+def test_cuda_backends_buffers_match_eager_on_the_cpu(tiny_llama):
+    """The CUDA decode graphs and breakable prefill graphs, with capture replaced by re-running the captured
+    function, give eager's tokens: batches that hit, pad and straddle; prefills that pad, hit and fall back;
+    decodes whose sequences outgrow the graphs' KV width (32) fall back to eager."""
+    common = dict(model_path=tiny_llama, max_total_tokens=4096, max_running_requests=16, num_threads=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            graph_runner,
+            "CompiledDecode",
+            lambda model, device: CudaGraphDecode(model, device, max(CAPTURED), 32, _replaying_capture),
+        )
+        mp.setattr(graph_runner, "CompiledPrefill",
+                   lambda model, device: BreakablePrefill(model, device, _replaying_capture))  # fmt: skip
+        graphs = kiln.Engine(**common, cuda_graph_bs=CAPTURED, cuda_graph_bs_prefill=PREFILL)
     eager = kiln.Engine(**common, disable_cuda_graph=True)
+    runner = graphs.scheduler.runner.graphs
+    assert runner.captured("decode") == list(CAPTURED) and runner.captured("prefill") == list(PREFILL)
+    prefill = runner.phases["prefill"].backend
+    assert len(prefill.graphs) == len(PREFILL) * 2 * len(graphs.scheduler.runner.model.model.layers)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (20, 6, 11, 4, 64, 9, 5, 100)]
+    schedule = list(zip([0, 30, 30, 32, 34, 34, 34, 60], prompts, [6, 12, 3, 9, 5, 7, 2, 3]))
+    run = drive(graphs, schedule)
+    assert run.outs == drive(eager, schedule).outs
+    assert (20, True) in run.prefills and (17, True) in run.prefills, run.prefills  # two prompts padded to 32
+    assert (100, False) in run.prefills  # above the largest count: eager
+    ran = set(run.decodes)
+    assert {(1, True), (2, True), (3, True)} <= ran and any(bs > 4 and not on for bs, on in ran), ran
+    assert runner.failed_replays > 0  # the 64- and 100-token prompts decode beyond the width: eagerly
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def cuda_engines(tiny_llama):
+    # float32: token-identical comparisons, as on the CPU (a padded batch may take other GEMM kernels)
+    common = dict(model_path=tiny_llama, device="cuda", dtype="float32", max_total_tokens=4096,
+                  max_running_requests=16)  # fmt: skip
+    graphs = kiln.Engine(**common, cuda_graph_bs=CAPTURED, cuda_graph_bs_prefill=PREFILL)
+    return graphs, kiln.Engine(**common, disable_cuda_graph=True)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_graphs_match_eager_as_the_batch_shrinks_and_grows(cuda_engines):
+    graphs, eager = cuda_engines
     assert graphs.scheduler.runner.graphs.captured() == list(CAPTURED)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (6, 11, 4, 25, 9, 13)]
@@ -310,11 +359,52 @@ def test_cuda_graphs_match_eager_as_the_batch_shrinks_and_grows(tiny_llama):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_capture_memory_within_the_ledger_reserve(tiny_llama):
-    eng = kiln.Engine(model_path=tiny_llama, device="cuda", max_total_tokens=4096, max_running_requests=16)
-    info = eng.scheduler.runner.graphs.summary()["decode"]
-    reserve = eng.parts.ledger.graph_reserve_bytes
-    assert info["sizes"] == list(eng.parts.ledger.graph_batch_sizes)
-    assert 0 < info["capture_bytes"] <= reserve, (info["capture_bytes"], reserve)
-    assert all(s["mem_bytes"] >= 0 for s in info["shapes"])
+@needs_cuda
+def test_cuda_prefill_graphs_pad_hit_or_fall_back_like_eager(cuda_engines):
+    graphs, eager = cuda_engines
+    assert graphs.scheduler.runner.graphs.captured("prefill") == list(PREFILL)
+    assert graphs.scheduler.runner.graphs.phases["prefill"].backend.name == "breakable"
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (20, 64, 5, 100)]
+    schedule = [(40 * i, ids, 6) for i, ids in enumerate(prompts)]
+    run = drive(graphs, schedule)
+    assert run.prefills == [(20, True), (64, True), (5, False), (100, False)]
+    assert run.outs == drive(eager, schedule).outs
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_shared_prefix_batches_match_eager(cuda_engines):
+    """Requests of one length (no KV mask) sharing their prompt: the eager distinct-slot path on the GPU."""
+    graphs, eager = cuda_engines
+    prefix = list(range(200, 300))
+    schedule = [(0, prefix, 6), (0, prefix, 6), (0, prefix, 5), (1, prefix + [7, 8], 4)]
+    run = drive(graphs, schedule)
+    assert run.outs == drive(eager, schedule).outs
+    assert any(bs >= 2 and not on for bs, on in run.decodes), run.decodes
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_eager_matches_transformers(cuda_engines, tiny_llama):
+    _, eager = cuda_engines
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 30)]
+    run = drive(eager, [(0, ids, 8) for ids in prompts])
+    model = load_hf(tiny_llama)
+    for i, ids in enumerate(prompts):
+        assert run.outs[f"r{i}"] == hf_greedy(model, ids, 8, {model.config.eos_token_id})[0]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_capture_memory_within_the_ledger_reserve(cuda_engines):
+    graphs, _ = cuda_engines
+    summary = graphs.scheduler.runner.graphs.summary()
+    ledger = graphs.parts.ledger
+    assert summary["decode"]["sizes"] == list(ledger.graph_batch_sizes)
+    assert summary["prefill"]["sizes"] == list(ledger.graph_prefill_tokens)
+    measured = {name: phase["capture_bytes"] for name, phase in summary.items()}
+    print(f"CUDA capture: measured {measured} bytes, ledger reserve {ledger.graph_reserve_bytes} bytes")
+    assert 0 < sum(measured.values()) <= ledger.graph_reserve_bytes, (measured, ledger.graph_reserve_bytes)
+    assert all(s["mem_bytes"] >= 0 for phase in summary.values() for s in phase["shapes"])

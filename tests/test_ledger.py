@@ -203,10 +203,16 @@ def test_absolute_targets_are_honored_and_checked():
 def test_failure_moments_in_startup_order():
     assert ledger(LLAMA_31_8B, mem_gib=12).failure.moment == "load_weights"
     assert ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.18).failure.moment == "kv_allocation"
-    high = ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.95, context_length=8192)
+    capture = ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.95, context_length=8192)
+    assert (
+        capture.failure.moment == "graph_capture"
+        and "graph capture needs 4.66 GiB" in capture.failure.message
+    )
+    assert capture.failure.fix == "use --mem-fraction-static <= 0.895, or --disable-cuda-graph"
+    high = ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.93, context_length=8192)
     assert high.failure.moment == "first_full_prefill"
     assert "8192-token prefill" in high.failure.message and "leaves" in high.failure.message
-    assert high.failure.fix.startswith("use --mem-fraction-static <= 0.9")
+    assert high.failure.fix.startswith("use --mem-fraction-static <= 0.895")
     graphs = ledger(LLAMA_31_8B, mem_gib=80, mem_fraction_static=0.95, context_length=8192, max_running_requests=16,
                     cuda_graph_max_bs=16, chunked_prefill_size=16384, max_prefill_tokens=16384)  # fmt: skip
     assert graphs.fits or graphs.failure.moment in ("graph_capture", "first_full_prefill")

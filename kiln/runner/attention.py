@@ -121,7 +121,9 @@ def _distinct_slots(fb: ForwardBatch, group: int) -> tuple[torch.Tensor, torch.T
     if slots.numel() > SHARED_KV_FACTOR * longest:
         return False
     valid = (
-        fb.kv_mask.view(b, longest) if fb.kv_mask is not None else torch.ones(b, longest, dtype=torch.bool)
+        fb.kv_mask.view(b, longest)
+        if fb.kv_mask is not None
+        else torch.ones(b, longest, dtype=torch.bool, device=slots.device)
     )
     # padding entries all point at slot 0, never a real slot, and write False
     mask = torch.zeros(b, slots.numel(), dtype=torch.bool, device=slots.device).scatter_(1, inverse, valid)

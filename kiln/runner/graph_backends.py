@@ -2,22 +2,28 @@
 
 Decode: on CUDA a torch.cuda.CUDAGraph per batch size over static input buffers; on the CPU the step compiled by
 torch.compile (inductor), batch size static, KV length dynamic. A batch pads up to its captured size with dummy
-rows that write and read the reserved padding slot 0. Prefill: the layers' attention-free halves compiled per
-token count ("pieces"); attention, whose shapes follow the batch's sequences, runs eagerly between them.
+rows that write and read the reserved padding slot 0. Prefill runs on "pieces": each layer's attention-free
+halves at a fixed token count, with attention, whose shapes follow the batch's sequences, run eagerly between
+them. On CUDA the halves are CUDA graphs over static buffers (SGLang's "breakable" prefill graph); on the CPU they
+are compiled per token count.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode, Pieces
 
+# capture(fn, pool) -> (replay, pool): records fn as a graph in the memory pool and returns what replays it
+GraphCapture = Callable[[Callable[[], None], Any], tuple[Callable[[], None], Any]]
+
 # the KV length of the dummy decode batch used for capture (>= 2: a length of 1 would be specialised)
 CAPTURE_KV_LEN = 64
-# CUDA decode graphs gather every request's KV over a static table width; longer sequences run eagerly. The
-# gathered K and V take bs x width x kv heads x head dim x 2 x dtype bytes per layer inside the graph pool.
-CUDA_GRAPH_KV_WIDTH = 2048
 DecodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -68,10 +74,33 @@ def _decode_step(model, ids, pos, loc, table, mask) -> torch.Tensor:
     return model(decode_batch((ids, pos, loc, table, mask)))
 
 
+@functools.cache
+def _warmup_stream() -> torch.cuda.Stream:
+    """One side stream for every warm-up: the GEMM library keeps a workspace per stream it has run on."""
+    return torch.cuda.Stream()
+
+
+def cuda_graph_capture(fn: Callable[[], None], pool: Any) -> tuple[Callable[[], None], Any]:
+    """fn captured as a torch.cuda.CUDAGraph in `pool` (None: a new pool), then replayed once so that the
+    buffers it writes hold real values. A warm-up run on a side stream first: lazy initialisation (library
+    handles, workspaces) must not be captured."""
+    stream = _warmup_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    graph.replay()
+    return graph.replay, graph.pool()
+
+
 class CompiledDecode:
     """CPU: one torch.compile'd step; each batch size compiles its own static-batch code, KV length dynamic."""
 
     name = "inductor"
+    compiled = True  # its payoff against eager is measured at capture
 
     def __init__(self, model, device: str):
         self.model, self.device = model, device
@@ -92,30 +121,30 @@ class CudaGraphDecode:
     KV table has a static width; a batch with a longer sequence runs eagerly."""
 
     name = "full"
+    compiled = False
 
-    def __init__(self, model, device: str, max_bs: int, kv_width: int):
-        self.model, self.kv_width = model, kv_width
+    def __init__(
+        self, model, device: str, max_bs: int, kv_width: int, capture_graph: GraphCapture = cuda_graph_capture
+    ):
+        self.model, self.kv_width, self.capture_graph = model, kv_width, capture_graph
         self.buffers = dummy_decode_inputs(max_bs, kv_width, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.graphs: dict[int, Callable[[], None]] = {}
+        self.logits: torch.Tensor | None = None  # every graph's output, [max_bs, vocab]
+        self.pool: Any = None
 
     def _view(self, bs: int) -> DecodeInputs:
         return tuple(t[:bs] for t in self.buffers)  # type: ignore[return-value]
 
     def capture(self, bs: int) -> None:
         inputs = self._view(bs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph: lazy initialisation must not be captured
-                _decode_step(self.model, *inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[bs] = _decode_step(self.model, *inputs)
-        self.pool = graph.pool()
-        self.graphs[bs] = graph
+        if self.logits is None:  # sized by the first, largest, batch; one buffer instead of one per graph
+            self.logits = torch.empty_like(_decode_step(self.model, *self._view(len(self.buffers[0]))))
+        out = self.logits[:bs]
+
+        def fn() -> None:
+            out.copy_(_decode_step(self.model, *inputs))
+
+        self.graphs[bs], self.pool = self.capture_graph(fn, self.pool)
 
     def replay(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
         if fb.kv_table.shape[1] > self.kv_width:
@@ -131,8 +160,8 @@ class CudaGraphDecode:
         table[:, :length].copy_(inputs[3])
         mask.zero_()
         mask[..., :length].copy_(inputs[4])
-        self.graphs[bs].replay()
-        return self.outputs[bs].clone()
+        self.graphs[bs]()
+        return self.logits[:bs].clone()
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -150,6 +179,7 @@ class CompiledPrefill:
     """Prefill on pieces: per token count, the layers' attention-free halves compiled once for every layer."""
 
     name = "inductor-piecewise"
+    compiled = True
 
     def __init__(self, model, device: str):
         self.model, self.device = model, device
@@ -162,3 +192,83 @@ class CompiledPrefill:
 
     def replay(self, tokens: int, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb, Pieces(self.before, self.after, tokens))
+
+
+class BreakablePrefill:
+    """CUDA: SGLang's breakable prefill graph. Per token count, each layer's two attention-free halves are CUDA
+    graphs (largest count first, all in one pool); attention runs eagerly between them. The graphs read and write
+    static buffers shared by every layer and count: the hidden state `h0` / `h1` (a layer reads one, writes the
+    other), `cos_sin`, the attention output `attn`, and q / k / v."""
+
+    name = "breakable"
+    compiled = False
+
+    def __init__(self, model, device: str, capture_graph: GraphCapture = cuda_graph_capture):
+        self.model, self.device, self.capture_graph = model, device, capture_graph
+        self.graphs: dict[tuple[int, int, str], Callable[[], None]] = {}
+        self.bufs: dict[str, torch.Tensor] = {}
+        self.pool: Any = None
+        self.tokens = 0  # the token count of the forward in progress
+        self.capturing = False
+
+    def capture(self, tokens: int) -> None:
+        fb = dummy_extend_batch(tokens, self.device)
+        self.model(fb)  # eager warm-up: lazy initialisation must not be captured
+        self.capturing = True
+        try:
+            self.replay(tokens, fb)
+        finally:
+            self.capturing = False
+
+    def replay(self, tokens: int, fb: ForwardBatch) -> torch.Tensor:
+        self.tokens = tokens
+        return self.model(fb, Pieces(self._before, self._after, tokens))
+
+    def _buf(self, name: str, like: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """The first `tokens` rows (along dim) of a static buffer; sized by the first, largest, capture."""
+        if name not in self.bufs:
+            self.bufs[name] = torch.empty_like(like)
+        buf = self.bufs[name]
+        if buf.shape[dim] < self.tokens:
+            raise ValueError(f"{self.tokens} tokens are above the captured {buf.shape[dim]}")
+        return buf.narrow(dim, 0, self.tokens)
+
+    def _load(self, name: str, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        view = self._buf(name, x, dim)
+        if view.data_ptr() != x.data_ptr():
+            view.copy_(x)
+        return view
+
+    def _run(self, key: tuple[int, int, str], fn: Callable[[], None]) -> None:
+        if self.capturing:
+            self.graphs[key], self.pool = self.capture_graph(fn, self.pool)
+        else:
+            self.graphs[key]()
+
+    def _before(self, layer, cos_sin: torch.Tensor, h: torch.Tensor, rotary) -> tuple[torch.Tensor, ...]:
+        i = layer.self_attn.layer_id
+        cs, hv = self._load("cos_sin", cos_sin, dim=1), self._load(f"h{i % 2}", h)
+        if self.capturing and "q" not in self.bufs:  # the output buffers take the shapes of an eager run
+            for name, t in zip("qkv", layer.before_attention(cs, hv, rotary)):
+                self._buf(name, t)
+        outs = [self.bufs[name][: self.tokens] for name in "qkv"]
+
+        def fn() -> None:
+            for out, t in zip(outs, layer.before_attention(cs, hv, rotary)):
+                out.copy_(t)
+
+        self._run((self.tokens, i, "before"), fn)
+        return tuple(outs)
+
+    def _after(self, layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Reads the hidden state from one of two buffers and writes the other (the next layer's input), so that
+        replaying a graph twice gives the same result."""
+        i = layer.self_attn.layer_id
+        hv, av = self._load(f"h{i % 2}", h), self._load("attn", attn_out)
+        out = self._buf(f"h{(i + 1) % 2}", hv)
+
+        def fn() -> None:
+            out.copy_(layer.after_attention(hv, av))
+
+        self._run((self.tokens, i, "after"), fn)
+        return out

@@ -2,7 +2,7 @@
 startup and replayed.
 
 Apart from the model runner, it only calls the model, through the backends of graph_backends.py (CUDA graphs or
-compiled steps for decode, compiled pieces for prefill). Compiled code is cached on disk so that a second start
+compiled steps for decode; for prefill, CUDA graphs or compiled code for each layer's attention-free pieces). Compiled code is cached on disk so that a second start
 reuses it. Shapes are captured largest first, prefill before decode. A batch pads up to the next captured shape (decode:
 dummy rows at the reserved padding slot 0; prefill: rows attention never sees, at most 2x); larger batches and,
 on the CPU, shapes whose compiled code measured slower than eager run eagerly.
@@ -25,7 +25,7 @@ from kiln.platform import available_gb, used_memory_bytes
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 from kiln.runner.graph_backends import (
     CAPTURE_KV_LEN,
-    CUDA_GRAPH_KV_WIDTH,
+    BreakablePrefill,
     CompiledDecode,
     CompiledPrefill,
     CudaGraphDecode,
@@ -33,7 +33,7 @@ from kiln.runner.graph_backends import (
     dummy_decode_inputs,
     dummy_extend_batch,
 )
-from kiln.runner.graph_shapes import bucket_for, prefill_bucket_for
+from kiln.runner.graph_shapes import CUDA_GRAPH_KV_WIDTH, bucket_for, prefill_bucket_for
 
 logger = logging.getLogger("kiln")
 
@@ -85,7 +85,7 @@ class Phase:
 
     name: str
     sizes: list[int]  # every size asked for, ascending: a batch's bucket is chosen among these
-    backend: CompiledDecode | CudaGraphDecode | CompiledPrefill
+    backend: CompiledDecode | CudaGraphDecode | CompiledPrefill | BreakablePrefill
     unit: str  # "bs" | "num_tokens"
     records: dict[int, ShapeRecord]
     seconds: float = 0.0
@@ -123,9 +123,8 @@ class GraphRunner:
         _configure_compiler(cache_dir, len(batch_sizes) + len(prefill_tokens or []))
         self.phases: dict[str, Phase] = {}
         if prefill_tokens:
-            self.phases["prefill"] = Phase(
-                "prefill", sorted(prefill_tokens), CompiledPrefill(model, device), "num_tokens", {}
-            )
+            prefill = BreakablePrefill(model, device) if self.cuda else CompiledPrefill(model, device)
+            self.phases["prefill"] = Phase("prefill", sorted(prefill_tokens), prefill, "num_tokens", {})
         if batch_sizes:
             decode = (
                 CudaGraphDecode(model, device, max(batch_sizes), min(kv_width, CUDA_GRAPH_KV_WIDTH))
@@ -196,7 +195,7 @@ class GraphRunner:
         rec = ShapeRecord(size, time.perf_counter() - t0, max(0, used_memory_bytes(self.device) - mem0))
         hits, misses = (now - before for now, before in zip(_compile_cache_counts(), cache0))
         rec.cache_hit = hits > 0 and misses == 0
-        if not isinstance(phase.backend, CudaGraphDecode):
+        if phase.backend.compiled:
             self._measure_payoff(phase, rec)
         return rec
 

@@ -16,6 +16,9 @@ CPU_GRAPH_MAX_BS = 0
 # the CPU chunk (2048) has 41, and only long prefills gain (docs/benchmarks.md); --cuda-graph-max-bs-prefill
 # or --cuda-graph-bs-prefill turn them on
 CPU_PREFILL_GRAPH_MAX_TOKENS = 0
+# CUDA decode graphs gather every request's KV over a static table width; longer sequences run eagerly. The
+# gathered K and V take bs x width x kv heads x head dim x 2 x dtype bytes per layer inside the graph pool.
+CUDA_GRAPH_KV_WIDTH = 2048
 
 
 def decode_graph_batch_sizes(max_bs: int, speculative: bool = False) -> list[int]:
