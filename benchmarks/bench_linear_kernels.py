@@ -5,16 +5,21 @@ Kernels over the projections of --layers layers (qkv, o, gate_up, down) at each 
   mkl                 F.linear on plain weights (transformers' path)
   onednn              oneDNN-prepacked weights (Kiln's path where its own kernel is unavailable)
   kiln                Kiln's blocked kernel (kiln/layers/csrc/blocked_gemm.cpp): Kiln's path on AVX2 CPUs
+  kiln-q4_1           the same kernel on the weights quantized to GGML Q4_1 (gguf.quants), dequantized inside
+                      the kernel (the default model's linear weights: 0.625 bytes a weight)
+  kiln-q8_0           the same on GGML Q8_0 (the default model's tied embedding / lm head: 1.0625 bytes a weight)
   inductor-reduction  torch.compile of an explicit multiply-and-sum over plain weights (weights stay graph
                       inputs, so the on-disk compile caches apply)
   inductor-template   torch.compile with inductor's freezing and max-autotune's CPP GEMM template (weights are
                       frozen into the compiled code as constants, packed per compiled graph)
 With --step, the whole decode step compiled with freezing and the CPP GEMM template, one static graph per batch
 size (with --dynamic-batch, one graph for every batch size above 1), against Kiln's eager step, with the process
-memory each compile adds and the compile caches' verdict.
+memory each compile adds and the compile caches' verdict. With --lm-head, the same kernels on the lm head's shape
+(vocab, hidden) as well. Times are against oneDNN and, where it ran, Kiln's float32 kernel; GB/s counts the bytes
+of each kernel's own weights.
 
     python benchmarks/bench_linear_kernels.py [--bs 1 8 32] [--layers 30] [--reps 20] [--kernels ...]
-                                              [--step [--dynamic-batch]]
+                                              [--lm-head] [--step [--dynamic-batch]]
 """
 
 from __future__ import annotations
@@ -23,13 +28,19 @@ import argparse
 import statistics
 import time
 
+import gguf
 import torch
 import torch.nn.functional as F
 
 from kiln.layers import cpu_gemm
 
 STEP_KV_LEN = 200  # the decode step's KV length per request
-KERNELS = ("mkl", "onednn", "kiln", "inductor-reduction", "inductor-template")
+KERNELS = ("mkl", "onednn", "kiln", "kiln-q4_1", "kiln-q8_0", "inductor-reduction", "inductor-template")
+# the GGML-quantized kernels: quantization, the kernel's pack and linear, bytes a weight
+QUANTIZED = {
+    "kiln-q4_1": (gguf.GGMLQuantizationType.Q4_1, "pack_q4_1", "linear_q4_1", 20 / 32),
+    "kiln-q8_0": (gguf.GGMLQuantizationType.Q8_0, "pack_q8_0", "linear_q8_0", 34 / 32),
+}
 
 
 def median_ms(fn, reps: int) -> float:
@@ -91,6 +102,12 @@ def kernels(mod: Projections, bs: int, names: list[str]) -> dict[str, tuple[floa
     if "kiln" in names and kernel is not None:
         blocked = [kernel.pack(w) for w in plain]
         out["kiln"] = (0.0, lambda: [kernel.linear(xs[b.shape[1]], b) for b in blocked])
+    for name, (qtype, pack, linear, _) in QUANTIZED.items():
+        if name in names and kernel is not None:
+            raw = [torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype)) for w in plain]
+            qpacked = [(w.shape[1], getattr(kernel, pack)(r)) for w, r in zip(plain, raw)]
+            fn = getattr(kernel, linear)
+            out[name] = (0.0, lambda qpacked=qpacked, fn=fn: [fn(xs[k], q) for k, q in qpacked])
     if "inductor-reduction" in names:
         torch._dynamo.reset()
         reduction = torch.compile(reduction_matmul, dynamic=False)
@@ -109,19 +126,20 @@ def kernels(mod: Projections, bs: int, names: list[str]) -> dict[str, tuple[floa
     return out
 
 
-def bench_kernels(args, shapes: list[tuple[int, int]]) -> None:
-    mod = Projections(shapes, args.layers).eval()
-    mb = sum(n * k for n, k in shapes) * args.layers * 4 / 1e6
-    print(f"{args.layers} layers of projections {shapes} (N, K), {mb:.0f} MB of float32 weights")
+def bench_kernels(args, shapes: list[tuple[int, int]], layers: int, what: str = "projections") -> None:
+    mod = Projections(shapes, layers).eval()
+    weights = sum(n * k for n, k in shapes) * layers
+    print(f"{layers} layers of {what} {shapes} (N, K), {weights * 4 / 1e6:.0f} MB of float32 weights")
     with torch.no_grad():
         for bs in args.bs:
             found = kernels(mod, bs, args.kernels)
             ms = {name: median_ms(fn, args.reps) for name, (_, fn) in found.items()}
-            base = ms.get("onednn", 1.0)
             for name, t in ms.items():
+                ratios = "  ".join(f"{ms[b] / t:5.2f}x {b}" for b in ("onednn", "kiln") if b in ms)
+                mb = weights * (QUANTIZED[name][3] if name in QUANTIZED else 4) / 1e6
                 print(
-                    f"bs={bs:<3} {name:<19} {t:7.2f} ms  {base / t:5.2f}x oneDNN  "
-                    f"{mb / t:5.1f} GB/s  compile {found[name][0]:5.1f} s"
+                    f"bs={bs:<3} {name:<19} {t:7.2f} ms  {ratios}  {mb / t:5.1f} GB/s  "
+                    f"compile {found[name][0]:5.1f} s"
                 )
 
 
@@ -174,6 +192,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    ap.add_argument("--lm-head", action="store_true", help="also the lm head's shape (vocab, hidden)")
     ap.add_argument("--step", action="store_true", help="also the whole decode step (loads the model twice)")
     ap.add_argument(
         "--dynamic-batch", action="store_true", help="--step: one graph for every batch size above 1"
@@ -187,7 +206,11 @@ def main() -> None:
     head_dim = cfg.get("head_dim") or hidden // heads
     qkv = (heads + 2 * cfg.get("num_key_value_heads", heads)) * head_dim
     torch.manual_seed(0)
-    bench_kernels(args, [(qkv, hidden), (hidden, heads * head_dim), (2 * ffn, hidden), (hidden, ffn)])
+    bench_kernels(
+        args, [(qkv, hidden), (hidden, heads * head_dim), (2 * ffn, hidden), (hidden, ffn)], args.layers
+    )
+    if args.lm_head:
+        bench_kernels(args, [(cfg["vocab_size"], hidden)], 1, "lm head")
     if args.step:
         bench_step(args)
 

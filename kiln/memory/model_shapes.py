@@ -185,6 +185,21 @@ def weight_bytes(hf_config: dict, tp_size: int, dtype_bytes: int) -> int:
     return math.ceil(linear * per_param + other * dtype_bytes)
 
 
+def gguf_block_bytes(hf_config: dict, tp_size: int) -> tuple[int, int, int] | None:
+    """GGUF Q4_1 / Q8_0 matrices that Kiln's CPU kernel keeps in their blocks, per rank: (linear params, their
+    bytes in blocks, the tied LM head's copy in blocks); None for other checkpoints."""
+    gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
+    if not gguf.get("block_linear_params"):
+        return None
+    tied = bool(
+        text_config(hf_config).get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
+    )
+    head = int(gguf.get("block_embed_bytes") or 0) if tied else 0
+    return tuple(
+        math.ceil(int(v) / tp_size) for v in (gguf["block_linear_params"], gguf["block_linear_bytes"], head)
+    )
+
+
 def weight_inputs(hf_config: dict, tp_size: int, dtype: str) -> str:
     gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
     f32 = gguf.get("weight_bytes_f32") or hf_config.get("kiln_gguf.weight_bytes_f32")

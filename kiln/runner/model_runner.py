@@ -54,7 +54,13 @@ class ModelRunner:
             weight_bytes += head_copy.nbytes
         if getattr(self.model, "prepacked_weights", 0):
             layout = packed_layout_name()
-            logger.info(f"Prepacked {self.model.prepacked_weights} linear weights into {layout} CPU layout.")
+            quantized = sum(p.dtype == torch.uint8 for p in params.values()) + (
+                head_copy is not None and head_copy.dtype == torch.uint8
+            )
+            kept = f", {quantized} of them in their GGUF blocks (Q4_1 / Q8_0)" if quantized else ""
+            logger.info(
+                f"Prepacked {self.model.prepacked_weights} linear weights into {layout} CPU layout{kept}."
+            )
         logger.info(
             f"Load weight end. elapsed={self.model.load_seconds:.2f} s, type={self.model_config.architecture}, "
             f"dtype={self.dtype}, avail mem={available_gb(self.device):.2f} GB, mem usage={weight_bytes / GIB:.2f} GB."

@@ -1,0 +1,185 @@
+// Kiln's CPU kernels for the per-token work of a decode step around the matmuls: RMSNorm, and decode attention
+// read straight from the paged KV pool. Each replaces a chain of small ATen ops (RMSNorm's pow / mean / rsqrt /
+// mul; attention's two index_select gathers and SDPA) whose per-call overhead was most of a batch-1 step's
+// time outside the matmuls (docs/benchmarks.md). float32 only; the Python side falls back to ATen otherwise.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// sum_i a[i] * b[i], n a multiple of 8 or not
+static inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[i] += p * x[i]
+static inline void axpy(float p, const float* x, float* y, int64_t n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * w over the last dimension
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32");
+  const int64_t h = x.size(-1);
+  TORCH_CHECK(w.numel() == h, "rms_norm: weight of the last dimension's size");
+  x = x.contiguous();
+  w = w.contiguous();
+  auto y = torch::empty_like(x);
+  const int64_t rows = x.numel() / h;
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * h;
+      float* yr = yp + r * h;
+      const float scale = 1.0f / std::sqrt(dot(xr, xr, h) / static_cast<float>(h) + static_cast<float>(eps));
+      for (int64_t i = 0; i < h; ++i) yr[i] = xr[i] * scale * wp[i];
+    }
+  });
+  return y;
+}
+
+// the 8 dot products q . rows[j], j < 8, each of length d (a multiple of 8), as one vector
+static inline __m256 dot8(const float* q, const float* const* rows, int64_t d) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + i), acc[j]);
+  }
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// e^x for 8 floats (Cephes' polynomial, ~1 ulp); inputs below -88 give ~0, as masked scores need
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// s[0..n) = e^(s - top), masked entries (-inf) 0; returns the sum
+static inline float exp_and_sum(float* s, int64_t n, float top) {
+  const __m256 t = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-INFINITY);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(s + i);
+    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, t)));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float total = hsum(acc);
+  for (; i < n; ++i) {
+    s[i] = s[i] == -INFINITY ? 0.f : std::exp(s[i] - top);
+    total += s[i];
+  }
+  return total;
+}
+
+// One new token per request against its KV slots in the pool: out[b, head] = softmax(q . K[slots] * scale) V[slots]
+// q [B, Hq, D]; k_cache, v_cache [S, Hk, D] (one layer of the pool); table [B, L] slots; mask [B, L] (or an empty
+// tensor: every slot valid). Heads are grouped (Hq / Hk query heads share a KV head), as in the model: each K and V
+// row is read once for its group.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                               torch::Tensor mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "decode_attention: float32 q and KV");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && table.dim() == 2 && table.size(0) == q.size(0),
+              "decode_attention: q [B, Hq, D], cache [S, Hk, D], table [B, L]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous KV pool");
+  q = q.contiguous();
+  table = table.to(at::kLong).contiguous();
+  const bool masked = mask.numel() > 0;
+  if (masked) mask = mask.reshape({table.size(0), table.size(1)}).to(at::kBool).contiguous();
+  const int64_t b_size = q.size(0), hq = q.size(1), d = q.size(2), hk = k_cache.size(1), len = table.size(1);
+  TORCH_CHECK(hq % hk == 0 && k_cache.size(2) == d, "decode_attention: head shapes");
+  const int64_t group = hq / hk, slots = k_cache.size(0);
+  auto out = torch::zeros_like(q);
+  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  std::atomic<bool> bad_slot{false};
+  at::parallel_for(0, b_size * hk, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores(group * len);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / hk, h = w % hk;
+      const int64_t* row = tp + b * len;
+      const bool* valid = masked ? mp + b * len : nullptr;
+      const float* qv = qp + (b * hq + h * group) * d;  // the group's query heads, consecutive
+      float* o = op + (b * hq + h * group) * d;
+      for (int64_t l0 = 0; l0 < len; l0 += 8) {  // eight slots at a time (d % 8 == 0), else one by one
+        const int64_t n = std::min<int64_t>(8, len - l0);
+        const float* rows[8];
+        bool skip[8];
+        for (int64_t j = 0; j < 8; ++j) {
+          const int64_t l = l0 + std::min(j, n - 1);
+          const bool invalid = valid && !valid[l];
+          const bool outside = !invalid && (row[l] < 0 || row[l] >= slots);
+          if (outside) bad_slot = true;
+          skip[j] = invalid || outside;
+          rows[j] = kp + ((skip[j] ? 0 : row[l]) * hk + h) * d;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * len + l0;
+          if (n == 8 && d % 8 == 0) {
+            _mm256_storeu_ps(s, _mm256_mul_ps(dot8(qv + g * d, rows, d), _mm256_set1_ps(sc)));
+          } else {
+            for (int64_t j = 0; j < n; ++j) s[j] = dot(qv + g * d, rows[j], d) * sc;
+          }
+          for (int64_t j = 0; j < n; ++j)
+            if (skip[j]) s[j] = -INFINITY;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        float top = -INFINITY;
+        for (int64_t l = 0; l < len; ++l) top = std::max(top, s[l]);
+        if (top == -INFINITY) continue;  // no valid slot: zeros
+        const float inv = 1.f / exp_and_sum(s, len, top);
+        for (int64_t l = 0; l < len; ++l) s[l] *= inv;
+      }
+      for (int64_t l = 0; l < len; ++l) {
+        const float* vr = vp + (row[l] * hk + h) * d;
+        for (int64_t g = 0; g < group; ++g)
+          if (scores[g * len + l] != 0.f) axpy(scores[g * len + l], vr, o + g * d, d);
+      }
+    }
+  });
+  TORCH_CHECK(!bad_slot, "decode_attention: a valid entry of the table is outside the KV pool");
+  return out;
+}
