@@ -197,15 +197,20 @@ def test_outputs_match_eager_and_transformers_while_requests_join_and_leave(engi
         assert got[f"r{i}"] == ref, (i, got[f"r{i}"], ref)
 
 
-def test_prefills_that_pad_hit_or_fall_back_match_eager_and_transformers(engines, tiny_llama):
-    graphs, eager = engines
+def check_prefills_pad_hit_or_fall_back(graphs, eager) -> tuple[list[list[int]], Run]:
+    """Prompts alone, one at a time: 20 tokens pad to 32, 64 hit, 5 would pad 3.2x to 16 and 100 is above 64:
+    eager. The graphs' tokens equal eager's."""
     g = torch.Generator().manual_seed(3)
-    # alone, one at a time: 20 tokens pad to 32, 64 hit, 5 would pad 3.2x to 16 and 100 is above 64: eager
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (20, 64, 5, 100)]
     schedule = [(40 * i, ids, 6) for i, ids in enumerate(prompts)]
     run = drive(graphs, schedule)
     assert run.prefills == [(20, True), (64, True), (5, False), (100, False)]
     assert run.outs == drive(eager, schedule).outs
+    return prompts, run
+
+
+def test_prefills_that_pad_hit_or_fall_back_match_eager_and_transformers(engines, tiny_llama):
+    prompts, run = check_prefills_pad_hit_or_fall_back(*engines)
 
     model = load_hf(tiny_llama)
     for i, ids in enumerate(prompts):
@@ -364,12 +369,7 @@ def test_cuda_prefill_graphs_pad_hit_or_fall_back_like_eager(cuda_engines):
     graphs, eager = cuda_engines
     assert graphs.scheduler.runner.graphs.captured("prefill") == list(PREFILL)
     assert graphs.scheduler.runner.graphs.phases["prefill"].backend.name == "breakable"
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (20, 64, 5, 100)]
-    schedule = [(40 * i, ids, 6) for i, ids in enumerate(prompts)]
-    run = drive(graphs, schedule)
-    assert run.prefills == [(20, True), (64, True), (5, False), (100, False)]
-    assert run.outs == drive(eager, schedule).outs
+    check_prefills_pad_hit_or_fall_back(graphs, eager)
 
 
 @pytest.mark.cuda

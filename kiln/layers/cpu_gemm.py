@@ -126,6 +126,32 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 packed_linear = torch.ops.kiln.packed_linear
 
 
+def _decode_attention(q, k_cache, v_cache, table, mask, scale: float) -> torch.Tensor:
+    return blocked_kernel().decode_attention(q, k_cache, v_cache, table, mask, scale)
+
+
+# decode attention over the KV pool as an opaque op, so a compiled decode step reads the pool in place too
+_lib.define(
+    "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor mask, float scale) -> Tensor"
+)
+_lib.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kiln::decode_attention")
+def _(q, k_cache, v_cache, table, mask, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor):
+    """Kiln's decode attention over the KV pool for float32 on the CPU, eager or compiled (an opaque op), or
+    None (another device or dtype, or no kernel here)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        return None
+    if blocked_kernel() is None:
+        return None
+    return torch.ops.kiln.decode_attention if torch.compiler.is_compiling() else _decode_attention
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
     """`packed` comes from the layer (a traced weight does not report its layout); a 3-D weight is Kiln's."""
     if not packed:

@@ -7,7 +7,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from kiln.layers.cpu_gemm import eager_cpu_kernel
+from kiln.layers.cpu_gemm import cpu_decode_attention
 from kiln.memory.kv_pool import KVPool
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -43,12 +43,10 @@ class TorchAttentionBackend:
             fb.shared_kv = _distinct_slots(fb, group)
         if fb.shared_kv:
             return self._decode_over_distinct(layer, q, fb.shared_kv, group, scale)
-        kernel = eager_cpu_kernel(q) if self.kv_pool.k[layer].dtype == torch.float32 else None
+        kernel = cpu_decode_attention(q, self.kv_pool.k[layer])
         if kernel is not None:  # reads each request's slots in the pool: no gathered copy, no SDPA set-up
             mask = fb.kv_mask if fb.kv_mask is not None else _NO_MASK
-            return kernel.decode_attention(
-                q, self.kv_pool.k[layer], self.kv_pool.v[layer], fb.kv_table, mask, scale
-            )
+            return kernel(q, self.kv_pool.k[layer], self.kv_pool.v[layer], fb.kv_table, mask, scale)
         kc, vc = self.kv_pool.gather(layer, fb.kv_table)  # [B, L, Hk, D]
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hk, L, D]
         qb = q.unsqueeze(2)  # [B, Hq, 1, D]

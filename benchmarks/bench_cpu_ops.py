@@ -1,0 +1,120 @@
+"""Kiln's CPU kernels for a decode step's per-token work against the ATen ops they replace, in one process, and
+the default model's eager decode with its GGUF blocks against float32 weights.
+
+- decode attention: one call reading each request's slots in the KV pool (csrc/cpu_ops.cpp) vs two index_select
+  gathers + SDPA (the path compiled steps and other devices take), default model's heads (9 query, 3 KV, dim 64)
+- RMSNorm: one call vs F.rms_norm, hidden 576
+- decode tok/s of the default model, eager, at batch 1 / 8 / 32: Q4_1 / Q8_0 blocks (the default) vs
+  KILN_CPU_GEMM=kiln-f32 (float32 weights), engines alternating
+
+    python benchmarks/bench_cpu_ops.py [--bs 1 8 32] [--reps 2] [--no-engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 9, 3, 64, 576
+
+
+def _time_us(fn, reps: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def attention_row(kernel, k_pool: torch.Tensor, v_pool: torch.Tensor, bs: int, context: int) -> None:
+    q = torch.randn(bs, HEADS, HEAD_DIM)
+    table = torch.randint(0, k_pool.shape[0] - context, (bs, 1)) + torch.arange(
+        context
+    )  # a run of slots each
+    flat, mask = table.reshape(-1), torch.empty(0, dtype=torch.bool)
+
+    def aten():
+        k, v = (
+            p.index_select(0, flat).view(bs, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            for p in (k_pool, v_pool)
+        )
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=0.125, enable_gqa=True).squeeze(2)
+
+    def kiln():
+        return kernel.decode_attention(q, k_pool, v_pool, table, mask, 0.125)
+
+    assert torch.allclose(aten(), kiln(), atol=1e-5)
+    a, k = _time_us(aten), _time_us(kiln)
+    print(f"| decode attention, batch {bs}, {context} slots | {a:.0f} us | {k:.0f} us | {a / k:.2f}x |")
+
+
+def attention_rows(batch_sizes: list[int], context: int = 330) -> None:
+    from kiln.layers.cpu_gemm import blocked_kernel
+
+    kernel = blocked_kernel()
+    k_pool, v_pool = (torch.randn(40_000, KV_HEADS, HEAD_DIM) for _ in range(2))
+    for bs in batch_sizes:
+        attention_row(kernel, k_pool, v_pool, bs, context)
+    x, w = torch.randn(1, HIDDEN), torch.randn(HIDDEN)
+    a = _time_us(lambda: F.rms_norm(x, (HIDDEN,), w, 1e-5), 2000)
+    k = _time_us(lambda: kernel.rms_norm(x, w, 1e-5), 2000)
+    print(f"| RMSNorm, 1 x {HIDDEN} | {a:.1f} us | {k:.1f} us | {a / k:.2f}x |")
+
+
+def decode_tok_s(eng, bs: int, seed: int) -> float:
+    """bs requests of 200 tokens: (time for 65 tokens - time for 1) over bs x 64."""
+    ids = [[(i * 7919 + j * 31 + seed) % 40000 + 100 for j in range(200)] for i in range(bs)]
+
+    def run(new: int) -> float:
+        eng.scheduler.flush_cache()
+        t0 = time.perf_counter()
+        eng.generate(input_ids=ids, sampling_params=[{"max_new_tokens": new, "temperature": 0.0,
+                                                      "ignore_eos": True}] * bs)  # fmt: skip
+        return time.perf_counter() - t0
+
+    return bs * 64 / (run(65) - run(1))
+
+
+def engine_rows(batch_sizes: list[int], reps: int) -> None:
+    import kiln
+    from kiln.loader.default_model import default_model_path
+
+    engines = {}
+    for mode in ("kiln", "kiln-f32"):  # the mode is read when the weights are packed, at load
+        os.environ["KILN_CPU_GEMM"] = mode
+        engines[mode] = kiln.Engine(
+            model_path=default_model_path(), max_total_tokens=16384, max_running_requests=64
+        )
+    os.environ.pop("KILN_CPU_GEMM")
+    for bs in batch_sizes:
+        runs: dict[str, list[float]] = {m: [] for m in engines}
+        for r in range(reps):
+            for mode, eng in engines.items():
+                runs[mode].append(decode_tok_s(eng, bs, seed=r))
+        q, f = statistics.median(runs["kiln"]), statistics.median(runs["kiln-f32"])
+        print(f"| decode batch {bs} | {q:.1f} tok/s | {f:.1f} tok/s | {q / f:.2f}x |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bs", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--no-engine", action="store_true", help="kernels only")
+    args = ap.parse_args()
+    print("| op | ATen | Kiln's kernel | speed-up |\n|---|---|---|---|")
+    attention_rows(args.bs)
+    if not args.no_engine:
+        print(
+            "\n| default model, eager | GGUF blocks | float32 weights | blocks / float32 |\n|---|---|---|---|"
+        )
+        engine_rows(args.bs, args.reps)
+
+
+if __name__ == "__main__":
+    main()
