@@ -142,13 +142,14 @@ def _(q, k_cache, v_cache, table, mask, scale: float) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
-def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor):
-    """Kiln's decode attention over the KV pool for float32 on the CPU, eager or compiled (an opaque op), or
-    None (another device or dtype, or no kernel here)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-        return None
-    if blocked_kernel() is None:
-        return None
+def has_cpu_decode_attention(k_cache: torch.Tensor) -> bool:
+    """Whether Kiln's decode attention serves this KV pool: float32 on the CPU, with the kernel built. Asked once,
+    eagerly: a compiled step must not trace the kernel's loading."""
+    return k_cache.device.type == "cpu" and k_cache.dtype == torch.float32 and blocked_kernel() is not None
+
+
+def cpu_decode_attention():
+    """Kiln's decode attention over the KV pool: the opaque op inside a compiled step, the kernel itself eagerly."""
     return torch.ops.kiln.decode_attention if torch.compiler.is_compiling() else _decode_attention
 
 

@@ -7,7 +7,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from kiln.layers.cpu_gemm import cpu_decode_attention
+from kiln.layers.cpu_gemm import cpu_decode_attention, has_cpu_decode_attention
 from kiln.memory.kv_pool import KVPool
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -25,6 +25,7 @@ SHARED_KV_FACTOR = 4
 class TorchAttentionBackend:
     def __init__(self, kv_pool: KVPool):
         self.kv_pool = kv_pool
+        self.cpu_kernel = has_cpu_decode_attention(kv_pool.k[0]) if kv_pool.k else False
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, scale: float
@@ -43,9 +44,9 @@ class TorchAttentionBackend:
             fb.shared_kv = _distinct_slots(fb, group)
         if fb.shared_kv:
             return self._decode_over_distinct(layer, q, fb.shared_kv, group, scale)
-        kernel = cpu_decode_attention(q, self.kv_pool.k[layer])
-        if kernel is not None:  # reads each request's slots in the pool: no gathered copy, no SDPA set-up
+        if self.cpu_kernel and q.dtype == torch.float32:  # each request's slots read in the pool, no gathers
             mask = fb.kv_mask if fb.kv_mask is not None else _NO_MASK
+            kernel = cpu_decode_attention()
             return kernel(q, self.kv_pool.k[layer], self.kv_pool.v[layer], fb.kv_table, mask, scale)
         kc, vc = self.kv_pool.gather(layer, fb.kv_table)  # [B, L, Hk, D]
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hk, L, D]

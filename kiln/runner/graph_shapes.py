@@ -9,7 +9,8 @@ from bisect import bisect_left
 MAX_PREFILL_PADDING_FACTOR = 2.0
 # the CPU default for the largest captured decode batch: none. Every captured shape is a ~40 s compile at the
 # first start (~5 s from the cache after), which is most of a small model's startup; the compiled steps measured
-# 1.19-1.40x of eager at batch 1, 1.16-1.35x at 8 and 1.10-1.60x at 32 (docs/benchmarks.md, runs 6-7):
+# 1.32x of eager at batch 1, 0.92x at 8 and 1.15x at 32 with the GGUF blocks and Kiln's kernels (docs/benchmarks.md,
+# run 9):
 # --cuda-graph-max-bs 8 turns them on
 CPU_GRAPH_MAX_BS = 0
 # the CPU default for prefill shapes: none. Each token count is a 5-10 s compile at startup, SGLang's list up to

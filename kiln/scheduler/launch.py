@@ -138,7 +138,7 @@ def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None 
     if device == "cpu" and not ledger.graph_batch_sizes and not args.disable_cuda_graph:
         logger.info(
             "Decode graphs are off on the CPU by default: each batch size is a ~40 s compile at the first start "
-            "(~5 s from the cache after); the compiled steps measured 1.19-1.40x / 1.16-1.35x / 1.10-1.60x of eager "
+            "(~5 s from the cache after); the compiled steps measured 1.32x / 0.92x / 1.15x of eager "
             "decode at batch 1 / 8 / 32 (docs/benchmarks.md). --cuda-graph-max-bs 8 compiles them."
         )
     if ledger.graph_batch_sizes or ledger.graph_prefill_tokens:
