@@ -96,6 +96,7 @@ def _decode_both_ways(tables: list[list[int]]):
     b = len(tables)
     q, k, v = torch.randn(b, HQ, D), torch.randn(b, HK, D), torch.randn(b, HK, D)
     backend = TorchAttentionBackend(pool)
+    backend.cpu_kernel = False  # the SDPA paths every device has (the CPU kernel: test_cpu_attention.py)
     fb = _decode_batch(tables)
     got = backend.forward(0, q, k, v, fb, D**-0.5)
     plain = _decode_batch(tables)

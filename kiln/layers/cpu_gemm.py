@@ -126,19 +126,20 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 packed_linear = torch.ops.kiln.packed_linear
 
 
-def _decode_attention(q, k_cache, v_cache, table, mask, scale: float) -> torch.Tensor:
-    return blocked_kernel().decode_attention(q, k_cache, v_cache, table, mask, scale)
+def _decode_attention(q, k_cache, v_cache, table, mask, scale: float, shared: int = 0) -> torch.Tensor:
+    return blocked_kernel().decode_attention(q, k_cache, v_cache, table, mask, scale, shared)
 
 
 # decode attention over the KV pool as an opaque op, so a compiled decode step reads the pool in place too
 _lib.define(
-    "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor mask, float scale) -> Tensor"
+    "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor mask, float scale, "
+    "int shared=0) -> Tensor"
 )
 _lib.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("kiln::decode_attention")
-def _(q, k_cache, v_cache, table, mask, scale: float) -> torch.Tensor:
+def _(q, k_cache, v_cache, table, mask, scale: float, shared: int = 0) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 

@@ -17,6 +17,9 @@ MAX_PAD_FACTOR = 1.25
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)  # the CPU decode kernel's "every slot is valid"
 
+# an extend of at most this many tokens on a cached prefix runs through the CPU decode kernel, one row per token
+MAX_KERNEL_EXTEND = 64
+
 # a decode batch runs over its distinct KV slots (see _distinct_slots) while they number at most this many times
 # its longest sequence
 SHARED_KV_FACTOR = 4
@@ -40,14 +43,17 @@ class TorchAttentionBackend:
 
     def _decode(self, layer: int, q: torch.Tensor, fb: ForwardBatch, scale: float) -> torch.Tensor:
         group = q.shape[1] // self.kv_pool.k[layer].shape[1]
+        if self.cpu_kernel and q.dtype == torch.float32:  # each request's slots read in the pool, no gathers
+            if fb.shared_prefix is None:
+                fb.shared_prefix = _common_prefix(fb.kv_table, fb.kv_mask)
+            mask = fb.kv_mask if fb.kv_mask is not None else _NO_MASK
+            kernel = cpu_decode_attention()
+            k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
+            return kernel(q, k, v, fb.kv_table, mask, scale, fb.shared_prefix)
         if fb.shared_kv is None:
             fb.shared_kv = _distinct_slots(fb, group)
         if fb.shared_kv:
             return self._decode_over_distinct(layer, q, fb.shared_kv, group, scale)
-        if self.cpu_kernel and q.dtype == torch.float32:  # each request's slots read in the pool, no gathers
-            mask = fb.kv_mask if fb.kv_mask is not None else _NO_MASK
-            kernel = cpu_decode_attention()
-            return kernel(q, self.kv_pool.k[layer], self.kv_pool.v[layer], fb.kv_table, mask, scale)
         kc, vc = self.kv_pool.gather(layer, fb.kv_table)  # [B, L, Hk, D]
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hk, L, D]
         qb = q.unsqueeze(2)  # [B, Hq, 1, D]
@@ -68,7 +74,8 @@ class TorchAttentionBackend:
 
     def _extend(self, layer: int, q, k, v, fb: ForwardBatch, scale: float) -> torch.Tensor:
         lens, starts = fb.extend_lens, list(accumulate(fb.extend_lens, initial=0))
-        if len(lens) == 1:
+        kernel = self.cpu_kernel and q.dtype == torch.float32
+        if len(lens) == 1 and not (kernel and fb.prefix_lens[0] and lens[0] <= MAX_KERNEL_EXTEND):
             return self._one(layer, q, k, v, fb.prefix_lens[0], fb.seq_slots[0], scale)
         out = q.new_empty(q.shape)
         fresh = [i for i, pre in enumerate(fb.prefix_lens) if pre == 0]
@@ -78,6 +85,14 @@ class TorchAttentionBackend:
         if fresh:
             self._fresh_together(q, k, v, [(starts[i], lens[i]) for i in fresh], scale, out)
         batched = set(fresh)
+        if kernel:
+            if fb.short_extends is None:
+                fb.short_extends = _short_extends(fb, starts)
+            if fb.short_extends:
+                picked, rows, table, mask, shared = fb.short_extends
+                k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]
+                out[rows] = cpu_decode_attention()(q[rows], k_pool, v_pool, table, mask, scale, shared)
+                batched.update(picked)
         for i, (pre, slots) in enumerate(zip(fb.prefix_lens, fb.seq_slots)):
             if i not in batched:
                 a, b = starts[i], starts[i + 1]
@@ -116,6 +131,41 @@ class TorchAttentionBackend:
         ).transpose(1, 2)  # [N, longest, Hq, D]
         for j, (a, n) in enumerate(spans):
             out[a : a + n] = o[j, :n]
+
+
+def _short_extends(fb: ForwardBatch, starts: list[int]):
+    """The extends of at most MAX_KERNEL_EXTEND tokens on a cached prefix, as decode rows for the CPU kernel:
+    (their indices in the batch, their query rows, [R, L] table, mask, common prefix), one row per new token holding the slots it attends to
+    (its prefix, then its own extend up to itself). False when there are none. A few tokens on a long prefix, as
+    each question after a shared system prompt: the prefix is read once per chunk of rows, not once per request."""
+    picked = [i for i, pre in enumerate(fb.prefix_lens) if pre and fb.extend_lens[i] <= MAX_KERNEL_EXTEND]
+    if not picked:
+        return False
+    width = max(fb.prefix_lens[i] + fb.extend_lens[i] for i in picked)
+    device = fb.seq_slots[picked[0]].device
+    tables, masks, rows = [], [], []
+    cols = torch.arange(width, device=device)
+    for i in picked:
+        pre, ext, slots = fb.prefix_lens[i], fb.extend_lens[i], fb.seq_slots[i]
+        tables.append(F.pad(slots, (0, width - slots.numel())).expand(ext, width))
+        masks.append(cols.unsqueeze(0) <= torch.arange(pre, pre + ext, device=device).unsqueeze(1))
+        rows.append(torch.arange(starts[i], starts[i] + ext, device=device))
+    table, mask = torch.cat(tables), torch.cat(masks)
+    return picked, torch.cat(rows), table, mask, _common_prefix(table, mask)
+
+
+def _common_prefix(table: torch.Tensor, mask: torch.Tensor | None, tile: int = 8) -> int:
+    """How many leading columns of a [B, L] KV table are the same valid slots in every row (a prefix the requests
+    share through the radix cache), rounded down to the CPU kernel's tile of 8 slots; 0 for one row, where there
+    is nothing to share."""
+    if table.shape[0] == 1:
+        return 0
+    same = (table == table[:1]).all(0)
+    if mask is not None:
+        same &= mask.view(table.shape).all(0)
+    differ = (~same).nonzero()
+    common = int(differ[0]) if differ.numel() else table.shape[1]
+    return common // tile * tile
 
 
 def _distinct_slots(fb: ForwardBatch, group: int) -> tuple[torch.Tensor, torch.Tensor] | bool:

@@ -46,6 +46,10 @@ class ForwardBatch:
     # DECODE: the batch's distinct KV slots and a [1, 1, B * group, U] mask, or False when not worth it;
     # worked out by the attention backend at the first layer and reused by the others
     shared_kv: tuple[torch.Tensor, torch.Tensor] | bool | None = None
+    # DECODE on the CPU kernel: how many leading table columns every request shares (see attention._common_prefix)
+    shared_prefix: int | None = None
+    # EXTEND on the CPU kernel: short extends on cached prefixes as decode rows (see attention._short_extends)
+    short_extends: tuple | bool | None = None
 
     def to(self, device) -> ForwardBatch:
         """The batch with its tensors on `device` (the scheduler builds them on the host)."""

@@ -53,7 +53,15 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 def decode_batch(inputs: DecodeInputs) -> ForwardBatch:
     ids, pos, loc, table, mask = inputs
     return ForwardBatch(
-        ForwardMode.DECODE, ids, pos, loc, logits_index=None, kv_table=table, kv_mask=mask, shared_kv=False
+        ForwardMode.DECODE,
+        ids,
+        pos,
+        loc,
+        logits_index=None,
+        kv_table=table,
+        kv_mask=mask,
+        shared_kv=False,
+        shared_prefix=0,
     )
 
 

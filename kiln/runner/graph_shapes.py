@@ -7,11 +7,10 @@ from bisect import bisect_left
 
 # a prefill that would pad by more than this factor to reach its bucket runs eagerly
 MAX_PREFILL_PADDING_FACTOR = 2.0
-# the CPU default for the largest captured decode batch: none. Every captured shape is a ~40 s compile at the
+# the CPU default for the largest captured decode batch: none. Every captured shape is a ~35-40 s compile at the
 # first start (~5 s from the cache after), which is most of a small model's startup; the compiled steps measured
-# 1.32x of eager at batch 1, 0.92x at 8 and 1.15x at 32 with the GGUF blocks and Kiln's kernels (docs/benchmarks.md,
-# run 9):
-# --cuda-graph-max-bs 8 turns them on
+# 1.25x of eager at batch 1, 0.99x at 8 and 1.16x at 32 with the GGUF blocks and Kiln's kernels (docs/benchmarks.md,
+# run 10): --cuda-graph-max-bs 1 (what benchmarks/compare.py runs) or 8 turns them on
 CPU_GRAPH_MAX_BS = 0
 # the CPU default for prefill shapes: none. Each token count is a 5-10 s compile at startup, SGLang's list up to
 # the CPU chunk (2048) has 41, and only long prefills gain (docs/benchmarks.md); --cuda-graph-max-bs-prefill

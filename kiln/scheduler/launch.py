@@ -138,8 +138,8 @@ def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None 
     if device == "cpu" and not ledger.graph_batch_sizes and not args.disable_cuda_graph:
         logger.info(
             "Decode graphs are off on the CPU by default: each batch size is a ~40 s compile at the first start "
-            "(~5 s from the cache after); the compiled steps measured 1.32x / 0.92x / 1.15x of eager "
-            "decode at batch 1 / 8 / 32 (docs/benchmarks.md). --cuda-graph-max-bs 8 compiles them."
+            "(~5 s from the cache after); the compiled steps measured 1.25x / 0.99x / 1.16x of eager "
+            "decode at batch 1 / 8 / 32 (docs/benchmarks.md). --cuda-graph-max-bs 1 compiles batch 1, 8 up to 8."
         )
     if ledger.graph_batch_sizes or ledger.graph_prefill_tokens:
         phase("capturing", {})

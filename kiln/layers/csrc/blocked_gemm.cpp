@@ -319,7 +319,7 @@ torch::Tensor linear_q8_0(torch::Tensor x, torch::Tensor packed) { return linear
 // cpu_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                               torch::Tensor mask, double scale);
+                               torch::Tensor mask, double scale, int64_t shared);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W [N, K] -> [N / 16, K, 16]");
@@ -329,5 +329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q4_1", &linear_q4_1, "x [M, K] @ dequantized pack_q4_1 weight^T -> [M, N]");
   m.def("linear_q8_0", &linear_q8_0, "x [M, K] @ dequantized pack_q8_0 weight^T -> [M, N]");
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * w over the last dimension");
-  m.def("decode_attention", &decode_attention, "one token per request over its KV slots in the pool");
+  m.def("decode_attention", &decode_attention, "one token per request over its KV slots in the pool",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("mask"), py::arg("scale"),
+        py::arg("shared") = 0);
 }

@@ -37,6 +37,52 @@ static inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += p * x[i];
 }
 
+// the cache lines of n floats from p, fetched ahead of their use
+static inline void prefetch_row(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+// o[0..d) += sum over l of p[l] * V row of slot row[l] (in the layer's [S, Hk, D] pool, head h), l in order,
+// entries with p[l] == 0 skipped: the same FMAs as one axpy per slot, with o kept in registers across slots
+static inline void weighted_rows(const float* p, const int64_t* row, int64_t len, const float* vp, int64_t hk,
+                                 int64_t h, int64_t d, float* o) {
+  if (d % 8 != 0) {
+    for (int64_t l = 0; l < len; ++l)
+      if (p[l] != 0.f) axpy(p[l], vp + (row[l] * hk + h) * d, o, d);
+    return;
+  }
+  for (int64_t i0 = 0; i0 < d; i0 += 64) {
+    const int64_t k = std::min<int64_t>(8, (d - i0) / 8);
+    __m256 acc[8];
+    for (int64_t j = 0; j < k; ++j) acc[j] = _mm256_loadu_ps(o + i0 + 8 * j);
+    for (int64_t l = 0; l < len; ++l) {
+      if (l + 4 < len && p[l + 4] != 0.f) prefetch_row(vp + (row[l + 4] * hk + h) * d + i0, std::min<int64_t>(64, d - i0));
+      if (p[l] == 0.f) continue;
+      const __m256 pv = _mm256_set1_ps(p[l]);
+      const float* vr = vp + (row[l] * hk + h) * d + i0;
+      if (k == 8) {
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+      } else {
+        for (int64_t j = 0; j < k; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+      }
+    }
+    for (int64_t j = 0; j < k; ++j) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
+  }
+}
+
+// the largest of s[0..n)
+static inline float max_of(const float* s, int64_t n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_max_ss(r, _mm_movehdup_ps(r));
+  float top = _mm_cvtss_f32(r);
+  for (; i < n; ++i) top = std::max(top, s[i]);
+  return top;
+}
+
 // y = x * rsqrt(mean(x^2) + eps) * w over the last dimension
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32");
@@ -108,18 +154,36 @@ static inline float exp_and_sum(float* s, int64_t n, float top) {
   return total;
 }
 
+// One tile of up to eight slots of a table row: their K rows (masked or out-of-pool entries point at row 0 and are
+// skipped); the query heads' scaled dot products go to s[g * stride + j], skipped slots -inf
+static inline void score_tile(const float* qv, int64_t group, int64_t d, const float* const* rows,
+                              const bool* skip, int64_t n, float sc, float* s, int64_t stride) {
+  for (int64_t g = 0; g < group; ++g, s += stride) {
+    if (n == 8 && d % 8 == 0) {
+      _mm256_storeu_ps(s, _mm256_mul_ps(dot8(qv + g * d, rows, d), _mm256_set1_ps(sc)));
+    } else {
+      for (int64_t j = 0; j < n; ++j) s[j] = dot(qv + g * d, rows[j], d) * sc;
+    }
+    for (int64_t j = 0; j < n; ++j)
+      if (skip[j]) s[j] = -INFINITY;
+  }
+}
+
 // One new token per request against its KV slots in the pool: out[b, head] = softmax(q . K[slots] * scale) V[slots]
 // q [B, Hq, D]; k_cache, v_cache [S, Hk, D] (one layer of the pool); table [B, L] slots; mask [B, L] (or an empty
 // tensor: every slot valid). Heads are grouped (Hq / Hk query heads share a KV head), as in the model: each K and V
-// row is read once for its group.
+// row is read once for its group. `shared`: the table's first `shared` columns (a multiple of 8) are the same valid
+// slots in every row, a common prefix: each of those K and V rows is then read once for a chunk of requests, from
+// L1, instead of once per request. The arithmetic per request is the same either way (same tiles, same order).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                               torch::Tensor mask, double scale) {
+                               torch::Tensor mask, double scale, int64_t shared) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
               "decode_attention: float32 q and KV");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && table.dim() == 2 && table.size(0) == q.size(0),
               "decode_attention: q [B, Hq, D], cache [S, Hk, D], table [B, L]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous KV pool");
+  TORCH_CHECK(shared >= 0 && shared % 8 == 0 && shared <= table.size(1), "decode_attention: shared % 8 == 0");
   q = q.contiguous();
   table = table.to(at::kLong).contiguous();
   const bool masked = mask.numel() > 0;
@@ -127,6 +191,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t b_size = q.size(0), hq = q.size(1), d = q.size(2), hk = k_cache.size(1), len = table.size(1);
   TORCH_CHECK(hq % hk == 0 && k_cache.size(2) == d, "decode_attention: head shapes");
   const int64_t group = hq / hk, slots = k_cache.size(0);
+  const int64_t chunk = shared > 0 ? 8 : 1;  // requests per work item
+  const int64_t chunks = (b_size + chunk - 1) / chunk;
   auto out = torch::zeros_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   const int64_t* tp = table.data_ptr<int64_t>();
@@ -134,50 +200,53 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   std::atomic<bool> bad_slot{false};
-  at::parallel_for(0, b_size * hk, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores(group * len);
+  // a tile of row b from column l0: its K rows and which to skip; returns how many slots it holds
+  auto tile = [&](int64_t b, int64_t h, int64_t l0, const float** rows, bool* skip) {
+    const int64_t* row = tp + b * len;
+    const bool* valid = masked ? mp + b * len : nullptr;
+    const int64_t n = std::min<int64_t>(8, len - l0);
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t l = l0 + std::min(j, n - 1);
+      const bool invalid = valid && !valid[l];
+      const bool outside = !invalid && (row[l] < 0 || row[l] >= slots);
+      if (outside) bad_slot = true;
+      skip[j] = invalid || outside;
+      rows[j] = kp + ((skip[j] ? 0 : row[l]) * hk + h) * d;
+    }
+    for (int64_t l = l0 + 8; l < std::min<int64_t>(l0 + 16, len); ++l)  // the next tile's K rows: scattered slots
+      if (row[l] >= 0 && row[l] < slots) prefetch_row(kp + (row[l] * hk + h) * d, d);  // miss in every cache
+    return n;
+  };
+  at::parallel_for(0, chunks * hk, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores(chunk * group * len);
+    const float* rows[8];
+    bool skip[8];
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / hk, h = w % hk;
-      const int64_t* row = tp + b * len;
-      const bool* valid = masked ? mp + b * len : nullptr;
-      const float* qv = qp + (b * hq + h * group) * d;  // the group's query heads, consecutive
-      float* o = op + (b * hq + h * group) * d;
-      for (int64_t l0 = 0; l0 < len; l0 += 8) {  // eight slots at a time (d % 8 == 0), else one by one
-        const int64_t n = std::min<int64_t>(8, len - l0);
-        const float* rows[8];
-        bool skip[8];
-        for (int64_t j = 0; j < 8; ++j) {
-          const int64_t l = l0 + std::min(j, n - 1);
-          const bool invalid = valid && !valid[l];
-          const bool outside = !invalid && (row[l] < 0 || row[l] >= slots);
-          if (outside) bad_slot = true;
-          skip[j] = invalid || outside;
-          rows[j] = kp + ((skip[j] ? 0 : row[l]) * hk + h) * d;
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * len + l0;
-          if (n == 8 && d % 8 == 0) {
-            _mm256_storeu_ps(s, _mm256_mul_ps(dot8(qv + g * d, rows, d), _mm256_set1_ps(sc)));
-          } else {
-            for (int64_t j = 0; j < n; ++j) s[j] = dot(qv + g * d, rows[j], d) * sc;
-          }
-          for (int64_t j = 0; j < n; ++j)
-            if (skip[j]) s[j] = -INFINITY;
-        }
+      const int64_t h = w % hk, b0 = (w / hk) * chunk, b1 = std::min(b_size, b0 + chunk);
+      const int64_t per_req = group * len;
+      for (int64_t l0 = 0; l0 < shared; l0 += 8) {  // the common prefix: a tile's rows serve every request
+        const int64_t n = tile(b0, h, l0, rows, skip);
+        for (int64_t b = b0; b < b1; ++b)
+          score_tile(qp + (b * hq + h * group) * d, group, d, rows, skip, n, sc,
+                     scores.data() + (b - b0) * per_req + l0, len);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float top = -INFINITY;
-        for (int64_t l = 0; l < len; ++l) top = std::max(top, s[l]);
+      for (int64_t b = b0; b < b1; ++b)  // each request's own slots, eight at a time
+        for (int64_t l0 = shared; l0 < len; l0 += 8) {
+          const int64_t n = tile(b, h, l0, rows, skip);
+          score_tile(qp + (b * hq + h * group) * d, group, d, rows, skip, n, sc,
+                     scores.data() + (b - b0) * per_req + l0, len);
+        }
+      for (int64_t i = 0; i < (b1 - b0) * group; ++i) {
+        float* s = scores.data() + i * len;
+        const float top = max_of(s, len);
         if (top == -INFINITY) continue;  // no valid slot: zeros
         const float inv = 1.f / exp_and_sum(s, len, top);
         for (int64_t l = 0; l < len; ++l) s[l] *= inv;
       }
-      for (int64_t l = 0; l < len; ++l) {
-        const float* vr = vp + (row[l] * hk + h) * d;
+      for (int64_t b = b0; b < b1; ++b)  // the chunk's requests one after another: prefix V rows stay in cache
         for (int64_t g = 0; g < group; ++g)
-          if (scores[g * len + l] != 0.f) axpy(scores[g * len + l], vr, o + g * d, d);
-      }
+          weighted_rows(scores.data() + (b - b0) * per_req + g * len, tp + b * len, len, vp, hk, h, d,
+                        op + (b * hq + h * group + g) * d);
     }
   });
   TORCH_CHECK(!bad_slot, "decode_attention: a valid entry of the table is outside the KV pool");

@@ -1,0 +1,138 @@
+"""Kiln's CPU decode attention kernel, read straight from the KV pool: it matches the gather + SDPA path for
+grouped heads, padded rows and ragged lengths, and with a common prefix (`shared`) it gives bit-identical
+results to the per-request walk over the same table while reading the prefix once per chunk of requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.layers.cpu_gemm import cpu_decode_attention, has_cpu_decode_attention
+from kiln.memory.kv_pool import KVPool
+from kiln.runner.attention import TorchAttentionBackend, _common_prefix
+from kiln.runner.forward_batch import ForwardBatch, ForwardMode
+
+HQ, HK, D = 9, 3, 64
+POOL = KVPool(4096, 1, 1, HK, D, torch.float32)
+if not has_cpu_decode_attention(POOL.k[0]):
+    pytest.skip("Kiln's CPU kernels are not built on this host", allow_module_level=True)
+
+
+def _table(prefix: int, tails: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] slots: a common prefix (scattered slots) then each request's own tail, padded with slot 0."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(POOL.k[0].shape[0] - 1, generator=g) + 1
+    common, own = perm[:prefix], perm[prefix:]
+    longest = prefix + max(tails)
+    table = torch.zeros(len(tails), longest, dtype=torch.long)
+    mask = torch.zeros(len(tails), longest, dtype=torch.bool)
+    start = 0
+    for b, n in enumerate(tails):
+        table[b, :prefix] = common
+        table[b, prefix : prefix + n] = own[start : start + n]
+        mask[b, : prefix + n] = True
+        start += n
+    return table, mask
+
+
+def _reference(q, table, mask, scale):
+    k, v = POOL.gather(0, table)  # [B, L, Hk, D]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.view(len(q), 1, 1, -1), scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.squeeze(2)
+
+
+@pytest.fixture(autouse=True)
+def _filled_pool():
+    torch.manual_seed(0)
+    POOL.k[0].normal_()
+    POOL.v[0].normal_()
+
+
+@pytest.mark.parametrize("prefix, tails", [(0, [5]), (0, [1, 17, 3]), (24, [1, 9, 30]), (13, [4] * 11)])
+def test_kernel_matches_gather_and_sdpa(prefix, tails):
+    table, mask = _table(prefix, tails)
+    q = torch.randn(len(tails), HQ, D)
+    got = cpu_decode_attention()(q, POOL.k[0], POOL.v[0], table, mask, 0.125)
+    torch.testing.assert_close(got, _reference(q, table, mask, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [2, 8, 9, 19])  # one chunk of 8 requests, exactly one, and ragged chunks
+def test_shared_prefix_is_bit_identical_to_the_per_request_walk(batch):
+    table, mask = _table(104, [1 + (7 * b) % 23 for b in range(batch)], seed=batch)
+    q = torch.randn(batch, HQ, D)
+    kernel = cpu_decode_attention()
+    plain = kernel(q, POOL.k[0], POOL.v[0], table, mask, 0.125)
+    shared = kernel(q, POOL.k[0], POOL.v[0], table, mask, 0.125, 104)
+    assert torch.equal(shared, plain)
+    torch.testing.assert_close(shared, _reference(q, table, mask, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_must_be_whole_tiles():
+    table, mask = _table(20, [3, 3])
+    with pytest.raises(RuntimeError, match="shared % 8"):
+        cpu_decode_attention()(torch.randn(2, HQ, D), POOL.k[0], POOL.v[0], table, mask, 0.125, 20)
+
+
+def _decode_batch(table, mask) -> ForwardBatch:
+    b, longest = table.shape
+    zeros = torch.zeros(b, dtype=torch.long)
+    return ForwardBatch(
+        ForwardMode.DECODE, zeros, zeros, zeros, None, kv_table=table, kv_mask=mask.view(b, 1, 1, -1)
+    )
+
+
+@pytest.mark.parametrize(
+    "prefix, tails, want",
+    [(83, [2, 5, 1], 80), (83, [4], 0), (0, [3, 3], 0), (7, [3, 3], 0), (40, [0, 6], 40)],
+)
+def test_common_prefix_counts_whole_tiles_of_shared_valid_slots(prefix, tails, want):
+    table, mask = _table(prefix, tails)
+    assert _common_prefix(table, mask) == want
+
+
+def test_backend_decodes_a_shared_prefix_batch_through_the_kernel():
+    table, mask = _table(96, [3, 8, 1, 5])
+    b = len(table)
+    fb = _decode_batch(table, mask)
+    fb.out_cache_loc = torch.tensor([int(table[i, 96 + n - 1]) for i, n in enumerate([3, 8, 1, 5])])
+    q, k, v = torch.randn(b, HQ, D), torch.randn(b, HK, D), torch.randn(b, HK, D)
+    backend = TorchAttentionBackend(POOL)
+    got = backend.forward(0, q, k, v, fb, 0.125).view(b, HQ, D)
+    assert fb.shared_prefix == 96 and fb.shared_kv is None  # the kernel, not the distinct-slot SDPA
+    torch.testing.assert_close(got, _reference(q, table, mask, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_short_extends_on_a_cached_prefix_run_through_the_kernel_like_sdpa():
+    """Questions after a shared system prompt (short extends on one cached prefix), beside a fresh prompt and a
+    long extend: the short ones go through the kernel as one row per token, causal within the extend."""
+    gen = torch.Generator().manual_seed(3)
+    perm = (torch.randperm(POOL.k[0].shape[0] - 1, generator=gen) + 1).tolist()
+    system, rest = perm[:90], perm[90:]
+    specs = [(90, 5), (90, 1), (0, 12), (90, 70), (90, 9)]  # (cached prefix, extend)
+    seq_slots, lens, prefixes = [], [], []
+    for pre, ext in specs:
+        own, rest = rest[:ext], rest[ext:]
+        seq_slots.append(torch.tensor((system[:pre] if pre else []) + own))
+        lens.append(ext)
+        prefixes.append(pre)
+    total = sum(lens)
+
+    def batch() -> ForwardBatch:
+        return ForwardBatch(
+            ForwardMode.EXTEND, torch.zeros(total, dtype=torch.long), torch.zeros(total, dtype=torch.long),
+            torch.cat([s[p:] for s, p in zip(seq_slots, prefixes)]), None, extend_lens=lens, prefix_lens=prefixes,
+            seq_slots=seq_slots,
+        )  # fmt: skip
+
+    q, k, v = torch.randn(total, HQ, D), torch.randn(total, HK, D), torch.randn(total, HK, D)
+    with_kernel, plain = TorchAttentionBackend(POOL), TorchAttentionBackend(POOL)
+    plain.cpu_kernel = False
+    fb = batch()
+    got = with_kernel.forward(0, q, k, v, fb, 0.125)
+    picked, rows, table, mask, shared = fb.short_extends
+    assert picked == [0, 1, 4] and rows.numel() == 5 + 1 + 9 and shared == 88
+    torch.testing.assert_close(got, plain.forward(0, q, k, v, batch(), 0.125), rtol=1e-5, atol=1e-5)
