@@ -41,9 +41,12 @@ class TorchAttentionBackend:
             out = self._extend(layer, q, k, v, fb, scale)
         return out.reshape(q.shape[0], -1)
 
+    def _kernel_serves(self, q: torch.Tensor) -> bool:
+        return self.cpu_kernel and q.dtype == torch.float32
+
     def _decode(self, layer: int, q: torch.Tensor, fb: ForwardBatch, scale: float) -> torch.Tensor:
         group = q.shape[1] // self.kv_pool.k[layer].shape[1]
-        if self.cpu_kernel and q.dtype == torch.float32:  # each request's slots read in the pool, no gathers
+        if self._kernel_serves(q):  # each request's slots read in the pool, no gathers
             if fb.shared_prefix is None:
                 fb.shared_prefix = _common_prefix(fb.kv_table, fb.kv_mask)
             mask = fb.kv_mask if fb.kv_mask is not None else _NO_MASK
@@ -74,8 +77,8 @@ class TorchAttentionBackend:
 
     def _extend(self, layer: int, q, k, v, fb: ForwardBatch, scale: float) -> torch.Tensor:
         lens, starts = fb.extend_lens, list(accumulate(fb.extend_lens, initial=0))
-        kernel = self.cpu_kernel and q.dtype == torch.float32
-        if len(lens) == 1 and not (kernel and fb.prefix_lens[0] and lens[0] <= MAX_KERNEL_EXTEND):
+        kernel = self._kernel_serves(q)
+        if len(lens) == 1 and not (kernel and _short_extend(fb.prefix_lens[0], lens[0])):
             return self._one(layer, q, k, v, fb.prefix_lens[0], fb.seq_slots[0], scale)
         out = q.new_empty(q.shape)
         fresh = [i for i, pre in enumerate(fb.prefix_lens) if pre == 0]
@@ -133,12 +136,17 @@ class TorchAttentionBackend:
             out[a : a + n] = o[j, :n]
 
 
+def _short_extend(prefix: int, extend: int) -> bool:
+    """An extend the CPU kernel runs as decode rows: a few tokens on a cached prefix."""
+    return prefix > 0 and extend <= MAX_KERNEL_EXTEND
+
+
 def _short_extends(fb: ForwardBatch, starts: list[int]):
-    """The extends of at most MAX_KERNEL_EXTEND tokens on a cached prefix, as decode rows for the CPU kernel:
-    (their indices in the batch, their query rows, [R, L] table, mask, common prefix), one row per new token holding the slots it attends to
-    (its prefix, then its own extend up to itself). False when there are none. A few tokens on a long prefix, as
+    """The batch's short extends (_short_extend) as decode rows for the CPU kernel, one row per new token holding
+    the slots it attends to (its prefix, then its own extend up to itself): (their indices in the batch, their
+    query rows, [R, L] table, mask, common prefix), or False when there are none. A few tokens on a long prefix, as
     each question after a shared system prompt: the prefix is read once per chunk of rows, not once per request."""
-    picked = [i for i, pre in enumerate(fb.prefix_lens) if pre and fb.extend_lens[i] <= MAX_KERNEL_EXTEND]
+    picked = [i for i, pre in enumerate(fb.prefix_lens) if _short_extend(pre, fb.extend_lens[i])]
     if not picked:
         return False
     width = max(fb.prefix_lens[i] + fb.extend_lens[i] for i in picked)

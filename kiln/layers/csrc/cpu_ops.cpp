@@ -56,7 +56,8 @@ static inline void weighted_rows(const float* p, const int64_t* row, int64_t len
     __m256 acc[8];
     for (int64_t j = 0; j < k; ++j) acc[j] = _mm256_loadu_ps(o + i0 + 8 * j);
     for (int64_t l = 0; l < len; ++l) {
-      if (l + 4 < len && p[l + 4] != 0.f) prefetch_row(vp + (row[l + 4] * hk + h) * d + i0, std::min<int64_t>(64, d - i0));
+      if (l + 4 < len && p[l + 4] != 0.f)  // a V row four slots ahead: scattered slots miss the caches
+        prefetch_row(vp + (row[l + 4] * hk + h) * d + i0, std::min<int64_t>(64, d - i0));
       if (p[l] == 0.f) continue;
       const __m256 pv = _mm256_set1_ps(p[l]);
       const float* vr = vp + (row[l] * hk + h) * d + i0;
@@ -213,8 +214,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       skip[j] = invalid || outside;
       rows[j] = kp + ((skip[j] ? 0 : row[l]) * hk + h) * d;
     }
-    for (int64_t l = l0 + 8; l < std::min<int64_t>(l0 + 16, len); ++l)  // the next tile's K rows: scattered slots
-      if (row[l] >= 0 && row[l] < slots) prefetch_row(kp + (row[l] * hk + h) * d, d);  // miss in every cache
+    for (int64_t l = l0 + 8; l < std::min<int64_t>(l0 + 16, len); ++l)  // the next tile's K rows, ahead
+      if (row[l] >= 0 && row[l] < slots) prefetch_row(kp + (row[l] * hk + h) * d, d);
     return n;
   };
   at::parallel_for(0, chunks * hk, 1, [&](int64_t w0, int64_t w1) {
