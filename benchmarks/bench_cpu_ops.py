@@ -9,16 +9,23 @@ the default model's eager decode with its GGUF blocks against float32 weights.
 - RMSNorm: one call vs F.rms_norm, hidden 576
 - decode tok/s of the default model, eager, at batch 1 / 8 / 32: Q4_1 / Q8_0 blocks (the default) vs
   KILN_CPU_GEMM=kiln-f32 (float32 weights), engines alternating
+- `--against REV`: instead, decode attention as this tree's kernel vs the kernel built from git revision REV's
+  sources (a kernel change against the code before it), alternating call batches, outputs compared bit for bit
 
     python benchmarks/bench_cpu_ops.py [--bs 1 8 32] [--reps 2] [--no-engine]
+    python benchmarks/bench_cpu_ops.py --against HEAD
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +77,19 @@ def attention_rows(batch_sizes: list[int], context: int = 330) -> None:
     print(f"| RMSNorm, 1 x {HIDDEN} | {a:.1f} us | {k:.1f} us | {a / k:.2f}x |")
 
 
+def _allocator_table(bs: int, prefix: int, own: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[bs, prefix + own] slots and mask laid out as the allocator lays them: a common prompt of `prefix` slots (a
+    run), then up to `own` slots per request, one per decode step (bs apart)."""
+    lens = torch.randint(max(1, own // 4), own + 1, (bs,), generator=torch.Generator().manual_seed(0))
+    table = torch.zeros(bs, prefix + own, dtype=torch.long)
+    mask = torch.zeros(bs, prefix + own, dtype=torch.bool)
+    for b, n in enumerate(lens.tolist()):
+        table[b, :prefix] = torch.arange(1, 1 + prefix)
+        table[b, prefix : prefix + n] = 1 + prefix + b + bs * torch.arange(n)
+        mask[b, : prefix + n] = True
+    return table, mask
+
+
 def shared_prefix_row(bs: int = 32, prefix: int = 1296, own: int = 64) -> None:
     from kiln.layers.cpu_gemm import blocked_kernel
     from kiln.memory.kv_pool import KVPool
@@ -79,14 +99,7 @@ def shared_prefix_row(bs: int = 32, prefix: int = 1296, own: int = 64) -> None:
     kernel, group = blocked_kernel(), HEADS // KV_HEADS
     pool = KVPool(65_536, 1, 1, KV_HEADS, HEAD_DIM, torch.float32)
     pool.k[0].normal_(), pool.v[0].normal_()
-    # the allocator's layout: the prompt a run of slots, then one slot per request per decode step (bs apart)
-    lens = torch.randint(own // 4, own + 1, (bs,), generator=torch.Generator().manual_seed(0))
-    table = torch.zeros(bs, prefix + own, dtype=torch.long)
-    mask = torch.zeros(bs, prefix + own, dtype=torch.bool)
-    for b, n in enumerate(lens.tolist()):
-        table[b, :prefix] = torch.arange(1, 1 + prefix)
-        table[b, prefix : prefix + n] = 1 + prefix + b + bs * torch.arange(n)
-        mask[b, : prefix + n] = True
+    table, mask = _allocator_table(bs, prefix, own)
     q = torch.randn(bs, HEADS, HEAD_DIM)
     fb = ForwardBatch(ForwardMode.DECODE, q, q, q, None, kv_table=table, kv_mask=mask.view(bs, 1, 1, -1))
     backend = TorchAttentionBackend(pool)
@@ -142,12 +155,69 @@ def engine_rows(batch_sizes: list[int], reps: int) -> None:
         print(f"| decode batch {bs} | {q:.1f} tok/s | {f:.1f} tok/s | {q / f:.2f}x |", flush=True)
 
 
+def kernel_at(rev: str):
+    """Kiln's CPU kernels built from git revision `rev`'s sources, under a name of their own."""
+    from torch.utils.cpp_extension import load
+
+    from kiln.layers import cpu_gemm
+
+    root = Path(__file__).resolve().parents[1]
+    out = Path(tempfile.mkdtemp(prefix="kiln-kernel-"))
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=root, capture_output=True, text=True, check=True
+    )
+    srcs = []
+    for src in cpu_gemm._SOURCES:
+        rel = Path(src).relative_to(root).as_posix()
+        text = subprocess.run(
+            ["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, text=True, check=True
+        )
+        srcs.append(out / Path(src).name)
+        srcs[-1].write_text(text.stdout)
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+    return load(f"kiln_kernel_{sha.stdout.strip()}", [str(s) for s in srcs], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], build_directory=str(out))  # fmt: skip
+
+
+def against_rows(rev: str, rounds: int = 7, calls: int = 20) -> None:
+    """Decode attention shapes, this tree's kernel vs `rev`'s: the median over rounds of alternating batches."""
+    from kiln.layers.cpu_gemm import blocked_kernel
+    from kiln.memory.kv_pool import KVPool
+
+    kernels = {"this tree": blocked_kernel(), rev: kernel_at(rev)}
+    pool = KVPool(65_536, 1, 1, KV_HEADS, HEAD_DIM, torch.float32)
+    pool.k[0].normal_(), pool.v[0].normal_()
+    print(f"| decode attention | {rev} | this tree | speed-up | bit-identical |\n|---|---|---|---|---|")
+    cases = [(bs, 0, 330, False) for bs in (1, 8, 32)] + [(32, 1296, 64, True), (32, 1296, 64, False)]
+    for bs, prefix, own, shared in cases:
+        table, mask = _allocator_table(bs, prefix, own)
+        q = torch.randn(bs, HEADS, HEAD_DIM)
+        width = prefix if shared else 0
+        args = (q, pool.k[0], pool.v[0], table, mask, 0.125, width)
+        calls_of = {name: functools.partial(k.decode_attention, *args) for name, k in kernels.items()}
+        same = torch.equal(*(f() for f in calls_of.values()))
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(rounds):
+            for name, f in calls_of.items():
+                times[name].append(_time_us(f, calls))
+        old, new = (statistics.median(times[n]) for n in (rev, "this tree"))
+        what = f"batch {bs}, " + (f"{prefix}-slot common prefix + " if prefix else "") + f"<= {own} own slots"
+        what += ", prefix read once per 8 requests" if shared else (", walked per request" if prefix else "")
+        print(f"| {what} | {old:.0f} us | {new:.0f} us | {old / new:.2f}x | {same} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-engine", action="store_true", help="kernels only")
+    ap.add_argument(
+        "--against", metavar="REV", help="decode attention: this tree's kernel vs git revision REV's"
+    )
     args = ap.parse_args()
+    if args.against:
+        against_rows(args.against)
+        return
     print("| op | ATen | Kiln's kernel | speed-up |\n|---|---|---|---|")
     attention_rows(args.bs)
     shared_prefix_row()

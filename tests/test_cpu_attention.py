@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kiln.layers.cpu_gemm import cpu_decode_attention, has_cpu_decode_attention
 from kiln.memory.kv_pool import KVPool
-from kiln.runner.attention import TorchAttentionBackend, _common_prefix
+from kiln.runner.attention import TorchAttentionBackend, common_prefix
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 
 HQ, HK, D = 9, 3, 64
@@ -71,6 +71,38 @@ def test_shared_prefix_is_bit_identical_to_the_per_request_walk(batch):
     torch.testing.assert_close(shared, _reference(q, table, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hq, hk, d", [(8, 2, 48), (4, 4, 32), (10, 2, 64)])
+def test_other_head_layouts_take_the_same_paths(hq, hk, d):
+    """Groups of 4 and 5 query heads (three at a time, then one by one), one head per group, head sizes that are
+    not a multiple of 32 (V rows one head at a time): against SDPA, and the shared walk bit-identical."""
+    pool = KVPool(512, 1, 1, hk, d, torch.float32)
+    pool.k[0].normal_(), pool.v[0].normal_()
+    g = torch.Generator().manual_seed(hq)
+    slots = torch.randperm(511, generator=g) + 1
+    table = torch.cat([slots[:40].expand(10, 40), slots[40:140].view(10, 10)], 1)
+    mask = torch.ones_like(table, dtype=torch.bool)
+    mask[3, 45:] = False
+    q = torch.randn(10, hq, d)
+    plain = cpu_decode_attention()(q, pool.k[0], pool.v[0], table, mask, 0.2)
+    assert torch.equal(cpu_decode_attention()(q, pool.k[0], pool.v[0], table, mask, 0.2, 40), plain)
+    k, v = pool.gather(0, table)
+    ref = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.view(10, 1, 1, -1), scale=0.2,
+        enable_gqa=True,
+    ).squeeze(2)  # fmt: skip
+    torch.testing.assert_close(plain, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_without_valid_slots_gives_zeros():
+    """A padding row of a compiled batch: every slot masked, even inside a shared prefix's chunk."""
+    table, mask = _table(16, [3, 5])
+    mask[1] = False
+    q = torch.randn(2, HQ, D)
+    out = cpu_decode_attention()(q, POOL.k[0], POOL.v[0], table, mask, 0.125)
+    assert torch.equal(out[1], torch.zeros(HQ, D))
+    torch.testing.assert_close(out[0], _reference(q[:1], table[:1], mask[:1], 0.125)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_shared_must_be_whole_tiles():
     table, mask = _table(20, [3, 3])
     with pytest.raises(RuntimeError, match="shared % 8"):
@@ -89,9 +121,9 @@ def _decode_batch(table, mask) -> ForwardBatch:
     "prefix, tails, want",
     [(83, [2, 5, 1], 80), (83, [4], 0), (0, [3, 3], 0), (7, [3, 3], 0), (40, [0, 6], 40)],
 )
-def test_common_prefix_counts_whole_tiles_of_shared_valid_slots(prefix, tails, want):
+def testcommon_prefix_counts_whole_tiles_of_shared_valid_slots(prefix, tails, want):
     table, mask = _table(prefix, tails)
-    assert _common_prefix(table, mask) == want
+    assert common_prefix(table, mask) == want
 
 
 def test_backend_decodes_a_shared_prefix_batch_through_the_kernel():

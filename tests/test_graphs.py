@@ -19,7 +19,8 @@ from test_correctness import hf_greedy, load_hf
 import kiln
 from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
 from kiln.memory.ledger import LedgerInputs, compute_ledger
-from kiln.runner import graph_runner
+from kiln.runner import graph_backends, graph_runner
+from kiln.runner.attention import common_prefix
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, pad_decode_inputs
 from kiln.runner.graph_shapes import (
@@ -217,15 +218,24 @@ def test_prefills_that_pad_hit_or_fall_back_match_eager_and_transformers(engines
         assert run.outs[f"r{i}"] == hf_greedy(model, ids, 6, {model.config.eos_token_id})[0]
 
 
-def test_shared_prefix_batches_stay_on_the_eager_path(engines):
+def test_shared_prefix_batches_run_compiled_and_match_eager(engines, monkeypatch):
+    """With Kiln's CPU attention kernel a compiled decode step takes the prefix the batch shares as an input, so
+    such batches stay on the captured shapes (padding rows included) and read the prefix once per chunk."""
     graphs, eager = engines
+    assert graphs.scheduler.runner.model.attn.cpu_kernel
+    widths: list[int] = []
+
+    def spy(table, mask):
+        widths.append(common_prefix(table, mask))
+        return widths[-1]
+
+    monkeypatch.setattr(graph_backends, "common_prefix", spy)
     prefix = list(range(200, 400))
     schedule = [(0, prefix, 8), (1, prefix + [7, 8], 6), (1, prefix + [9], 6)]
     run = drive(graphs, schedule)
     assert run.outs == drive(eager, schedule).outs
-    assert any(bs >= 2 and not on for bs, on in run.decodes), (
-        run.decodes
-    )  # the shared prompt is read once, eagerly
+    assert (3, True) in run.decodes, run.decodes  # three requests on the prompt, padded to 4, compiled
+    assert max(widths) == 200, widths  # the 200-token prompt, shared through the radix cache
 
 
 def test_a_shape_that_does_not_pay_runs_eagerly_and_says_so(tiny_llama, cache_dir, monkeypatch, caplog):

@@ -126,21 +126,30 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 packed_linear = torch.ops.kiln.packed_linear
 
 
-def _decode_attention(q, k_cache, v_cache, table, mask, scale: float, shared: int = 0) -> torch.Tensor:
-    return blocked_kernel().decode_attention(q, k_cache, v_cache, table, mask, scale, shared)
+def _decode_attention(
+    q, k_cache, v_cache, table, mask, scale: float, shared: int | torch.Tensor = 0
+) -> torch.Tensor:
+    return blocked_kernel().decode_attention(q, k_cache, v_cache, table, mask, scale, int(shared))
 
 
-# decode attention over the KV pool as an opaque op, so a compiled decode step reads the pool in place too
+# decode attention over the KV pool as an opaque op, so a compiled decode step reads the pool in place too; the
+# shared prefix's width is a one-element tensor there, an input of the step rather than a constant of its code
 _lib.define(
     "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor mask, float scale, "
-    "int shared=0) -> Tensor"
+    "Tensor shared) -> Tensor"
 )
 _lib.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("kiln::decode_attention")
-def _(q, k_cache, v_cache, table, mask, scale: float, shared: int = 0) -> torch.Tensor:
+def _(q, k_cache, v_cache, table, mask, scale: float, shared) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+def _compiled_decode_attention(q, k_cache, v_cache, table, mask, scale: float, shared=0) -> torch.Tensor:
+    if not isinstance(shared, torch.Tensor):
+        shared = torch.tensor([shared], dtype=torch.int64)
+    return torch.ops.kiln.decode_attention(q, k_cache, v_cache, table, mask, scale, shared)
 
 
 def has_cpu_decode_attention(k_cache: torch.Tensor) -> bool:
@@ -151,7 +160,7 @@ def has_cpu_decode_attention(k_cache: torch.Tensor) -> bool:
 
 def cpu_decode_attention():
     """Kiln's decode attention over the KV pool: the opaque op inside a compiled step, the kernel itself eagerly."""
-    return torch.ops.kiln.decode_attention if torch.compiler.is_compiling() else _decode_attention
+    return _compiled_decode_attention if torch.compiler.is_compiling() else _decode_attention
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:

@@ -48,7 +48,7 @@ class TorchAttentionBackend:
         group = q.shape[1] // self.kv_pool.k[layer].shape[1]
         if self._kernel_serves(q):  # each request's slots read in the pool, no gathers
             if fb.shared_prefix is None:
-                fb.shared_prefix = _common_prefix(fb.kv_table, fb.kv_mask)
+                fb.shared_prefix = common_prefix(fb.kv_table, fb.kv_mask)
             mask = fb.kv_mask if fb.kv_mask is not None else _NO_MASK
             kernel = cpu_decode_attention()
             k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
@@ -159,10 +159,10 @@ def _short_extends(fb: ForwardBatch, starts: list[int]):
         masks.append(cols.unsqueeze(0) <= torch.arange(pre, pre + ext, device=device).unsqueeze(1))
         rows.append(torch.arange(starts[i], starts[i] + ext, device=device))
     table, mask = torch.cat(tables), torch.cat(masks)
-    return picked, torch.cat(rows), table, mask, _common_prefix(table, mask)
+    return picked, torch.cat(rows), table, mask, common_prefix(table, mask)
 
 
-def _common_prefix(table: torch.Tensor, mask: torch.Tensor | None, tile: int = 8) -> int:
+def common_prefix(table: torch.Tensor, mask: torch.Tensor | None, tile: int = 8) -> int:
     """How many leading columns of a [B, L] KV table are the same valid slots in every row (a prefix the requests
     share through the radix cache), rounded down to the CPU kernel's tile of 8 slots; 0 for one row, where there
     is nothing to share."""

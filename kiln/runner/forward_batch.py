@@ -46,8 +46,9 @@ class ForwardBatch:
     # DECODE: the batch's distinct KV slots and a [1, 1, B * group, U] mask, or False when not worth it;
     # worked out by the attention backend at the first layer and reused by the others
     shared_kv: tuple[torch.Tensor, torch.Tensor] | bool | None = None
-    # DECODE on the CPU kernel: how many leading table columns every request shares (see attention._common_prefix)
-    shared_prefix: int | None = None
+    # DECODE on the CPU kernel: how many leading table columns every request shares (see attention.common_prefix);
+    # a one-element tensor in a compiled step
+    shared_prefix: int | torch.Tensor | None = None
     # EXTEND on the CPU kernel: short extends on cached prefixes as decode rows (see attention._short_extends)
     short_extends: tuple | bool | None = None
 

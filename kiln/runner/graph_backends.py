@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.runner.attention import common_prefix
 from kiln.runner.forward_batch import ForwardBatch, ForwardMode, Pieces
 
 # capture(fn, pool) -> (replay, pool): records fn as a graph in the memory pool and returns what replays it
@@ -50,7 +51,9 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def decode_batch(inputs: DecodeInputs) -> ForwardBatch:
+def decode_batch(inputs: DecodeInputs, shared_prefix: int | torch.Tensor = 0) -> ForwardBatch:
+    """A captured decode step's batch. `shared_prefix`: the KV table's leading columns every request shares (a
+    one-element tensor in a compiled CPU step, an input that changes from step to step; see CompiledDecode)."""
     ids, pos, loc, table, mask = inputs
     return ForwardBatch(
         ForwardMode.DECODE,
@@ -61,7 +64,7 @@ def decode_batch(inputs: DecodeInputs) -> ForwardBatch:
         kv_table=table,
         kv_mask=mask,
         shared_kv=False,
-        shared_prefix=0,
+        shared_prefix=shared_prefix,
     )
 
 
@@ -78,8 +81,8 @@ def dummy_decode_inputs(bs: int, length: int, device) -> DecodeInputs:
     )
 
 
-def _decode_step(model, ids, pos, loc, table, mask) -> torch.Tensor:
-    return model(decode_batch((ids, pos, loc, table, mask)))
+def _decode_step(model, ids, pos, loc, table, mask, shared_prefix: int | torch.Tensor = 0) -> torch.Tensor:
+    return model(decode_batch((ids, pos, loc, table, mask), shared_prefix))
 
 
 @functools.cache
@@ -105,7 +108,9 @@ def cuda_graph_capture(fn: Callable[[], None], pool: Any) -> tuple[Callable[[], 
 
 
 class CompiledDecode:
-    """CPU: one torch.compile'd step; each batch size compiles its own static-batch code, KV length dynamic."""
+    """CPU: one torch.compile'd step; each batch size compiles its own static-batch code, KV length dynamic. With
+    Kiln's CPU attention kernel the step also takes how many leading KV columns the batch's requests share, as a
+    tensor input, so a prefix the batch shares is read once per chunk of requests in compiled steps too."""
 
     name = "inductor"
     compiled = True  # its payoff against eager is measured at capture
@@ -113,15 +118,21 @@ class CompiledDecode:
     def __init__(self, model, device: str):
         self.model, self.device = model, device
         self.fn = torch.compile(_decode_step, dynamic=False)
+        attn = getattr(model, "attn", None)
+        self.reads_shared_prefix_once = bool(attn is not None and attn.cpu_kernel)
 
     def capture(self, bs: int) -> None:
         inputs = dummy_decode_inputs(bs, CAPTURE_KV_LEN, self.device)
         torch._dynamo.mark_dynamic(inputs[3], 1)
         torch._dynamo.mark_dynamic(inputs[4], 3)
-        self.fn(self.model, *inputs)
+        self.fn(self.model, *inputs, self._shared(0))
 
     def replay(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
-        return self.fn(self.model, *pad_decode_inputs(fb, bs))
+        shared = common_prefix(fb.kv_table, fb.kv_mask) if self.reads_shared_prefix_once else 0
+        return self.fn(self.model, *pad_decode_inputs(fb, bs), self._shared(shared))
+
+    def _shared(self, columns: int) -> torch.Tensor | int:
+        return torch.tensor([columns], dtype=torch.int64) if self.reads_shared_prefix_once else 0
 
 
 class CudaGraphDecode:

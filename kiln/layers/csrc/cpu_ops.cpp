@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 static inline float hsum(__m256 v) {
@@ -71,6 +73,43 @@ static inline void weighted_rows(const float* p, const int64_t* row, int64_t len
   }
 }
 
+// weighted_rows for G query heads of one KV head at once: o + g * d += sum over l of p[g * stride + l] * V row of
+// slot row[l], l in order. Slots before `valid` are all valid (a shared prefix): every one is added, a p == 0
+// adding an exact 0. From `valid` on a slot is skipped when every head's p is 0 (masked), and a scattered slot's V
+// row is prefetched ahead. Each V vector is loaded once for the G heads; d a multiple of 32, in passes of 32 columns.
+template <int G>
+static inline void weighted_rows_heads(const float* p, int64_t stride, const int64_t* row, int64_t len,
+                                       int64_t valid, const float* vp, int64_t hk, int64_t h, int64_t d, float* o) {
+  for (int64_t i0 = 0; i0 < d; i0 += 32) {
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_loadu_ps(o + g * d + i0 + 8 * j);
+    auto add = [&](int64_t l) {
+      const float* vr = vp + (row[l] * hk + h) * d + i0;
+      __m256 pv[G];
+      for (int g = 0; g < G; ++g) pv[g] = _mm256_broadcast_ss(p + g * stride + l);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = _mm256_loadu_ps(vr + 8 * j);
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(pv[g], v, acc[g][j]);
+      }
+    };
+    for (int64_t l = 0; l < valid; ++l) add(l);
+    for (int64_t l = valid; l < len; ++l) {
+      if (l + 4 < len && row[l + 4] != row[l + 3] + 1)  // a scattered slot ahead misses the caches; runs stream
+        prefetch_row(vp + (row[l + 4] * hk + h) * d + i0, 32);
+      uint32_t bits = 0;  // p >= 0: every head's p is 0 when the OR of their bits is
+      for (int g = 0; g < G; ++g) {
+        uint32_t b;
+        std::memcpy(&b, p + g * stride + l, sizeof b);
+        bits |= b;
+      }
+      if (bits != 0) add(l);
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + g * d + i0 + 8 * j, acc[g][j]);
+  }
+}
+
 // the largest of s[0..n)
 static inline float max_of(const float* s, int64_t n) {
   __m256 m = _mm256_set1_ps(-INFINITY);
@@ -104,19 +143,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     }
   });
   return y;
-}
-
-// the 8 dot products q . rows[j], j < 8, each of length d (a multiple of 8), as one vector
-static inline __m256 dot8(const float* q, const float* const* rows, int64_t d) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + i), acc[j]);
-  }
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
 // e^x for 8 floats (Cephes' polynomial, ~1 ulp); inputs below -88 give ~0, as masked scores need
@@ -155,19 +181,56 @@ static inline float exp_and_sum(float* s, int64_t n, float top) {
   return total;
 }
 
+// the dot products q_g . rows[j] of G query heads (q + g * d) and 4 K rows, d a multiple of 8, as 4 floats per head
+// in out[g]: each K vector is loaded once for the G heads (4 x G accumulators, G <= 3 with the loads in registers).
+// Each product: 8 lanes accumulated over d in order, then lanes summed by one fixed tree (hadd, hadd, halves).
+template <int G>
+static inline void dot4(const float* q, int64_t d, const float* const* rows, __m128* out) {
+  __m256 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 qv[G];
+    for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * d + i);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(rows[j] + i);
+      for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(qv[g], kv, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+    out[g] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  }
+}
+
+// scores of G heads against a full tile of 8 rows: s[g * stride + j] = (q_g . rows[j]) * sc
+template <int G>
+static inline void score_full_tile(const float* q, int64_t d, const float* const* rows, float sc, float* s,
+                                   int64_t stride) {
+  const __m128 scv = _mm_set1_ps(sc);
+  for (int half = 0; half < 2; ++half) {
+    __m128 r[G];
+    dot4<G>(q, d, rows + 4 * half, r);
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + 4 * half, _mm_mul_ps(r[g], scv));
+  }
+}
+
 // One tile of up to eight slots of a table row: their K rows (masked or out-of-pool entries point at row 0 and are
-// skipped); the query heads' scaled dot products go to s[g * stride + j], skipped slots -inf
+// skipped); the query heads' scaled dot products go to s[g * stride + j], skipped slots -inf. Full tiles take the
+// query heads three at a time (score_full_tile), a K row loaded once for the three.
 static inline void score_tile(const float* qv, int64_t group, int64_t d, const float* const* rows,
                               const bool* skip, int64_t n, float sc, float* s, int64_t stride) {
-  for (int64_t g = 0; g < group; ++g, s += stride) {
-    if (n == 8 && d % 8 == 0) {
-      _mm256_storeu_ps(s, _mm256_mul_ps(dot8(qv + g * d, rows, d), _mm256_set1_ps(sc)));
-    } else {
-      for (int64_t j = 0; j < n; ++j) s[j] = dot(qv + g * d, rows[j], d) * sc;
-    }
-    for (int64_t j = 0; j < n; ++j)
-      if (skip[j]) s[j] = -INFINITY;
+  if (n == 8 && d % 8 == 0) {
+    int64_t g = 0;
+    for (; g + 3 <= group; g += 3) score_full_tile<3>(qv + g * d, d, rows, sc, s + g * stride, stride);
+    for (; g < group; ++g) score_full_tile<1>(qv + g * d, d, rows, sc, s + g * stride, stride);
+  } else {
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < n; ++j) s[g * stride + j] = dot(qv + g * d, rows[j], d) * sc;
   }
+  for (int64_t j = 0; j < n; ++j)
+    if (skip[j])
+      for (int64_t g = 0; g < group; ++g) s[g * stride + j] = -INFINITY;
 }
 
 // One new token per request against its KV slots in the pool: out[b, head] = softmax(q . K[slots] * scale) V[slots]
@@ -240,14 +303,25 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       for (int64_t i = 0; i < (b1 - b0) * group; ++i) {
         float* s = scores.data() + i * len;
         const float top = max_of(s, len);
-        if (top == -INFINITY) continue;  // no valid slot: zeros
+        if (top == -INFINITY) {  // no valid slot (a padding row): zeros
+          std::fill(s, s + len, 0.f);
+          continue;
+        }
         const float inv = 1.f / exp_and_sum(s, len, top);
         for (int64_t l = 0; l < len; ++l) s[l] *= inv;
       }
       for (int64_t b = b0; b < b1; ++b)  // the chunk's requests one after another: prefix V rows stay in cache
-        for (int64_t g = 0; g < group; ++g)
-          weighted_rows(scores.data() + (b - b0) * per_req + g * len, tp + b * len, len, vp, hk, h, d,
-                        op + (b * hq + h * group + g) * d);
+        for (int64_t g = 0; g < group;) {
+          const float* p = scores.data() + (b - b0) * per_req + g * len;
+          float* o = op + (b * hq + h * group + g) * d;
+          if (d % 32 == 0 && g + 3 <= group) {
+            weighted_rows_heads<3>(p, len, tp + b * len, len, shared, vp, hk, h, d, o);
+            g += 3;
+          } else {
+            weighted_rows(p, tp + b * len, len, vp, hk, h, d, o);
+            g += 1;
+          }
+        }
     }
   });
   TORCH_CHECK(!bad_slot, "decode_attention: a valid entry of the table is outside the KV pool");
