@@ -19,6 +19,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -82,6 +83,8 @@ static float* scratch_buffer(size_t floats) {
   return buffer.get();
 }
 
+void dynamic_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);  // cpu_ops.cpp
+
 // x [M, K] against `blocks` blocks of 16 columns -> y [M, blocks * 16], in parallel over ranges of blocks:
 // run(b0, b1, x, y) fills y's columns of blocks [b0, b1).
 template <class Run>
@@ -90,7 +93,9 @@ static torch::Tensor over_blocks(torch::Tensor x, int64_t blocks, Run run) {
   auto y = torch::empty({x.size(0), blocks * kBlock}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) { run(b0, b1, xp, yp); });
+  // ~8 ranges a thread, handed out as threads come free (cpu_ops.cpp)
+  const int64_t grain = std::max<int64_t>(1, blocks / (8 * at::get_num_threads()));
+  dynamic_for(blocks, grain, [&](int64_t b0, int64_t b1) { run(b0, b1, xp, yp); });
   return y;
 }
 

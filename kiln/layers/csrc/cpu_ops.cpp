@@ -11,7 +11,37 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
+
+// fn(i0, i1) over [0, n) in ranges of `grain`, handed out to the intra-op threads as they come free rather than
+// split evenly up front: on a host whose cores other processes also use (a server and its clients on two cores), a
+// thread that is preempted no longer holds every other thread at the end of the region while its fixed share
+// waits. Serial inside another parallel region or with one thread; split evenly when there is a range a thread.
+void dynamic_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  const int threads = at::get_num_threads();
+  if (n <= grain || threads == 1 || at::in_parallel_region()) {
+    fn(0, n);
+    return;
+  }
+  if (n <= grain * threads) {  // a range or less a thread: nothing to hand out
+    at::parallel_for(0, n, grain, fn);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i0; !failed && (i0 = next.fetch_add(grain)) < n;) {
+      try {
+        fn(i0, std::min(n, i0 + grain));
+      } catch (...) {
+        if (!failed.exchange(true)) error = std::current_exception();
+      }
+    }
+  });
+  if (error) std::rethrow_exception(error);
+}
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -281,8 +311,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       if (row[l] >= 0 && row[l] < slots) prefetch_row(kp + (row[l] * hk + h) * d, d);
     return n;
   };
-  at::parallel_for(0, chunks * hk, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores(chunk * group * len);
+  dynamic_for(chunks * hk, 1, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> scores;  // every entry is written before it is read
+    if (scores.size() < static_cast<size_t>(chunk * group * len)) scores.resize(chunk * group * len);
     const float* rows[8];
     bool skip[8];
     for (int64_t w = w0; w < w1; ++w) {
