@@ -261,7 +261,8 @@ def test_a_batch_the_graph_cannot_run_falls_back_to_eager(engines):
         calls.append(bs)
         raise RuntimeError("Detected recompile")
 
-    phase.backend = type("Broken", (), {"replay": staticmethod(broken), "name": "broken"})()
+    broken_backend = {"replay": staticmethod(broken), "name": "broken", "reads_shared_prefix_once": False}
+    phase.backend = type("Broken", (), broken_backend)()
     try:
         run = drive(graphs, [(0, [11, 12, 13], 5)])
     finally:

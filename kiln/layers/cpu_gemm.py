@@ -146,12 +146,6 @@ def _(q, k_cache, v_cache, table, mask, scale: float, shared) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
-def _compiled_decode_attention(q, k_cache, v_cache, table, mask, scale: float, shared=0) -> torch.Tensor:
-    if not isinstance(shared, torch.Tensor):
-        shared = torch.tensor([shared], dtype=torch.int64)
-    return torch.ops.kiln.decode_attention(q, k_cache, v_cache, table, mask, scale, shared)
-
-
 def has_cpu_decode_attention(k_cache: torch.Tensor) -> bool:
     """Whether Kiln's decode attention serves this KV pool: float32 on the CPU, with the kernel built. Asked once,
     eagerly: a compiled step must not trace the kernel's loading."""
@@ -160,7 +154,7 @@ def has_cpu_decode_attention(k_cache: torch.Tensor) -> bool:
 
 def cpu_decode_attention():
     """Kiln's decode attention over the KV pool: the opaque op inside a compiled step, the kernel itself eagerly."""
-    return _compiled_decode_attention if torch.compiler.is_compiling() else _decode_attention
+    return torch.ops.kiln.decode_attention if torch.compiler.is_compiling() else _decode_attention
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:

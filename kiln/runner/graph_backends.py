@@ -141,6 +141,7 @@ class CudaGraphDecode:
 
     name = "full"
     compiled = False
+    reads_shared_prefix_once = False  # graphs gather each request's rows: mostly shared batches run eagerly
 
     def __init__(
         self, model, device: str, max_bs: int, kv_width: int, capture_graph: GraphCapture = cuda_graph_capture

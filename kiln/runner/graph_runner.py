@@ -233,7 +233,7 @@ class GraphRunner:
         if fb.mode == ForwardMode.DECODE:
             phase, n = self.phases.get("decode"), fb.kv_table.shape[0]
             size = bucket_for(phase.sizes, n) if phase else None
-            shared_once = getattr(phase.backend, "reads_shared_prefix_once", False) if phase else False
+            shared_once = size is not None and phase.backend.reads_shared_prefix_once
             if size is not None and n > 1 and not shared_once and _mostly_shared(fb):
                 size = None  # the eager path reads KV shared by the batch once: it wins there
         else:
