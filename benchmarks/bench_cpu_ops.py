@@ -157,8 +157,6 @@ def engine_rows(batch_sizes: list[int], reps: int) -> None:
 
 def kernel_at(rev: str):
     """Kiln's CPU kernels built from git revision `rev`'s sources, under a name of their own."""
-    from torch.utils.cpp_extension import load
-
     from kiln.layers import cpu_gemm
 
     root = Path(__file__).resolve().parents[1]
@@ -174,9 +172,7 @@ def kernel_at(rev: str):
         )
         srcs.append(out / Path(src).name)
         srcs[-1].write_text(text.stdout)
-    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-    return load(f"kiln_kernel_{sha.stdout.strip()}", [str(s) for s in srcs], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], build_directory=str(out))  # fmt: skip
+    return cpu_gemm.load_extension(f"kiln_kernel_{sha.stdout.strip()}", [str(s) for s in srcs], str(out))
 
 
 def against_rows(rev: str, rounds: int = 7, calls: int = 20) -> None:

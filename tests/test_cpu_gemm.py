@@ -4,6 +4,12 @@ ledger says."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,42 @@ def is_packed(w: torch.Tensor) -> bool:
 def test_kernel_builds_where_the_cpu_has_avx2():
     assert (cpu_gemm.blocked_kernel() is not None) == AVX2
     assert cpu_gemm.packed_layout_name() == ("Kiln's blocked" if AVX2 else "oneDNN's")
+
+
+LOAD_KERNEL = (
+    "import logging; logging.basicConfig(level=logging.INFO)\n"
+    "from kiln.layers.cpu_gemm import blocked_kernel\n"
+    "assert blocked_kernel() is not None"
+)
+
+
+@pytest.mark.skipif(not AVX2, reason="Kiln's CPU kernel needs AVX2 and FMA")
+def test_a_build_lock_left_by_a_killed_build_is_removed():
+    """torch's `lock` file in the kernel's build directory, as a process killed mid-build leaves it: the next start
+    removes it and loads the kernel instead of waiting on it forever. A second start while one holds Kiln's own
+    lock waits for it, and says so."""
+    from torch.utils import cpp_extension
+
+    cpu_gemm.blocked_kernel()  # built: the starts below only load it
+    directory = cpp_extension._get_build_directory("kiln_blocked_gemm", verbose=False)
+    stale = os.path.join(directory, "lock")
+    open(stale, "w").close()
+    try:
+        with open(os.path.join(directory, "kiln.flock"), "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # another Kiln process building
+            start = subprocess.Popen([sys.executable, "-c", LOAD_KERNEL], stderr=subprocess.PIPE, text=True)
+            time.sleep(8)
+            assert start.poll() is None, start.stderr.read()  # waits for the holder, not on torch's lock
+            assert os.path.exists(stale)
+        _, err = start.communicate(timeout=120)
+        assert start.returncode == 0, err
+        assert "Waiting for another Kiln process" in err and "killed before it finished" in err
+        assert not os.path.exists(stale)
+    finally:
+        if "start" in locals() and start.poll() is None:
+            start.kill()
+        if os.path.exists(stale):
+            os.remove(stale)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 64, 300])

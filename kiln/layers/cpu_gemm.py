@@ -10,6 +10,7 @@ faster than `F.linear` at decode batch sizes. `KILN_CPU_GEMM=onednn` keeps oneDN
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -40,12 +41,9 @@ def blocked_kernel():
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
-    from torch.utils.cpp_extension import load
-
     t0 = time.perf_counter()
     try:
-        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-        ext = load("kiln_blocked_gemm", _SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"])
+        ext = load_extension("kiln_blocked_gemm", _SOURCES)
     except Exception as e:  # no compiler, no ninja: oneDNN's layout still works
         logger.warning(f"Kiln's CPU matmul kernel could not be built, using oneDNN's: {e}")
         return None
@@ -53,6 +51,35 @@ def blocked_kernel():
         f"Kiln's CPU matmul kernel loaded in {time.perf_counter() - t0:.1f} s (built on the first start)."
     )
     return ext
+
+
+def load_extension(name: str, sources: list[str], build_directory: str | None = None):
+    """torch's C++ extension loader (build on first use, then load from the extension cache) with Kiln's flags, one
+    Kiln process at a time per build directory. torch marks a build in progress with a `lock` file that a process
+    killed mid-build leaves behind, and every later load then waits on it forever. Kiln holds an OS lock on a file
+    of its own around the load (released by the kernel when its holder dies), so a `lock` found while holding it
+    can only be such a leftover, and is removed."""
+    from torch.utils import cpp_extension
+
+    directory = build_directory or cpp_extension._get_build_directory(name, verbose=False)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "kiln.flock"), "w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info(f"Waiting for another Kiln process to finish building {name} in {directory}.")
+            fcntl.flock(held, fcntl.LOCK_EX)
+        return _load_holding(cpp_extension, name, sources, directory)
+
+
+def _load_holding(cpp_extension, name: str, sources: list[str], directory: str):
+    stale = os.path.join(directory, "lock")
+    if os.path.exists(stale):
+        logger.warning(f"Removing {stale}, left by a build of {name} that was killed before it finished.")
+        os.remove(stale)
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+    return cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              build_directory=directory)  # fmt: skip
 
 
 def eager_cpu_kernel(x: torch.Tensor):
