@@ -7,7 +7,6 @@ cache's "GB" is 1e9 (it is given per rank, in GB, like SGLang's `--hicache-size`
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 from kiln.memory.graph_budget import (
@@ -15,7 +14,6 @@ from kiln.memory.graph_budget import (
     graph_batch_sizes,
     graph_prefill_tokens,
     graph_reserve,
-    sglang_reserve,
 )
 from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's public arithmetic
     _attn_params,
@@ -41,18 +39,13 @@ from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's
     weight_bytes,
     weight_inputs,
 )
-from kiln.memory.units import GIB, MIB
+from kiln.memory.pool_sizing import host_check, resolve_running_requests, size_pool
+from kiln.memory.units import GIB, MIB, gib
 from kiln.platform import gguf_blocks_expected
 from kiln.runner.graph_shapes import CPU_GRAPH_MAX_BS
 
-# CPU defaults, chosen for a shared 2-core / 24 GiB machine:
-# - the KV pool takes at most 25% of the available RAM (or what CPU_MAX_RUNNING_REQUESTS x context needs,
-#   if smaller), so Kiln does not grab a machine it shares with the tokenizer, the client and other work;
-# - 128 running requests: two cores saturate well below that, and the logits/request tables stay small;
-# - 2048-token prefill chunks: at ~800 tok/s a chunk takes ~2.5 s, longer chunks stall running decodes
-#   for longer without making prefill faster, and the activations of a 2048-token chunk are small.
-CPU_POOL_RAM_FRACTION = 0.25
-CPU_MAX_RUNNING_REQUESTS = 128
+# CPU default prefill chunk: at ~800 tok/s a 2048-token chunk takes ~2.5 s; longer chunks stall running decodes
+# for longer without making prefill faster, and the activations of a 2048-token chunk are small.
 CPU_CHUNKED_PREFILL_SIZE = 2048
 # Interpreter, tokenizer, allocator slack; on CUDA SGLang's 512 MiB + tp/8 GiB of communication buffers.
 RUNTIME_OVERHEAD_BYTES = 512 * MIB
@@ -142,16 +135,6 @@ class Ledger:
 # ---------------------------------------------------------------- sizing
 
 
-def resolve_running_requests(inp: LedgerInputs, tokens: int, ctx: int) -> int:
-    if inp.max_running_requests:
-        want = inp.max_running_requests
-    elif inp.device.startswith("cuda"):
-        want = min(max(int(tokens / max(ctx, 1) * 512), 2048), 4096)
-    else:
-        want = CPU_MAX_RUNNING_REQUESTS
-    return max(1, min(want, tokens // 2))
-
-
 def compute_ledger(inp: LedgerInputs) -> Ledger:
     """The ledger for these inputs; when it does not fit, the failure names the moment and a verified fix."""
     from kiln.memory.ledger_format import find_fix
@@ -192,140 +175,6 @@ def _validate(inp: LedgerInputs) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
-
-
-def gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
-@dataclass
-class _Sizing:
-    tokens: int
-    mfs: float
-    reason: str
-    cause: str
-    target: tuple[int, str] | None  # (tokens required by an absolute target, its description)
-
-
-def _host_check(inp: LedgerInputs, pool: int, device_used: int) -> tuple[list[LedgerLine], str | None]:
-    """Host tier lines (per rank, per node) and the host-memory failure message, if any."""
-    if not inp.enable_hierarchical_cache:
-        return [], None
-    if inp.hicache_size_gb > 0:
-        per_rank, how = (
-            int(inp.hicache_size_gb * 1e9),
-            f"--hicache-size {inp.hicache_size_gb:g} GB (1e9 B) per rank",
-        )
-    else:
-        per_rank, how = (
-            int(inp.hicache_ratio * pool),
-            f"--hicache-ratio {inp.hicache_ratio:g} x KV pool {gib(pool)}",
-        )
-    if inp.host_memory_bytes is not None:
-        host = inp.host_memory_bytes
-    else:
-        from kiln.platform import host_available_bytes
-
-        host = host_available_bytes()
-    reserve = min(10 * GIB, max(GIB, host // 10))
-    shared = (
-        inp.tp_size * device_used if not inp.device.startswith("cuda") else 0
-    )  # on CPU the KV pools are RAM too
-    budget = host - reserve - shared
-    node = inp.tp_size * per_rank
-    minus = f" - cpu ranks' own use {gb(shared)}" if shared else ""
-    lines = [
-        LedgerLine("host tier per rank", per_rank, how),
-        LedgerLine(
-            "host tier node", node, f"{inp.tp_size} ranks x {gb(per_rank)} = {gb(node)} of system RAM"
-        ),
-        LedgerLine("host budget", budget, f"available RAM {gb(host)} - reserve {gb(reserve)}{minus}"),
-    ]
-    if node <= budget:
-        return lines, None
-    message = (
-        f"the hierarchical cache lives in system RAM, not accelerator memory: {how} = {gb(per_rank)} per rank "
-        f"x {inp.tp_size} ranks = {gb(node)} on this node, but only {gb(budget)} is usable "
-        f"(available RAM {gb(host)} - reserve {gb(reserve)}{minus})"
-    )
-    return lines, message
-
-
-def _size_pool(
-    inp: LedgerInputs, static: int, cell: int, ctx: int, need_at, static_chunk: int = 0
-) -> _Sizing:
-    """Decide the KV pool token count and the mem_fraction_static it corresponds to."""
-    pre, page = inp.available_memory_bytes, inp.page_size
-    target = None
-    if inp.context_length and inp.max_running_requests:
-        n = inp.context_length * inp.max_running_requests
-        target = (
-            n,
-            f"--context-length {inp.context_length} x --max-running-requests {inp.max_running_requests}",
-        )
-    elif inp.context_length:
-        target = (inp.context_length, f"--context-length {inp.context_length}")
-    if inp.max_total_tokens and (target is None or inp.max_total_tokens > target[0]):
-        target = (inp.max_total_tokens, f"--max-total-tokens {inp.max_total_tokens}")
-
-    def tokens_for(mfs: float) -> int:
-        return max(0, (int((pre * mfs - static) // cell) - page) // page * page)
-
-    if inp.mem_fraction_static is not None:
-        mfs = inp.mem_fraction_static
-        tokens = tokens_for(mfs)
-        if inp.max_total_tokens and inp.max_total_tokens <= tokens:
-            tokens = inp.max_total_tokens // page * page
-        return _Sizing(
-            tokens, mfs, f"--mem-fraction-static {mfs:g} given", f"--mem-fraction-static {mfs:g}", target
-        )
-    if inp.max_total_tokens:
-        tokens = inp.max_total_tokens // page * page
-        mfs = round((static + (tokens + page) * cell) / pre, 3)
-        reason = f"derived from --max-total-tokens {inp.max_total_tokens}: (weights + KV pool) / available = {mfs:.3f}"
-        # a pool smaller than one full context is a valid setup: requests that cannot fit are refused one by one
-        return _Sizing(tokens, mfs, reason, f"--max-total-tokens {inp.max_total_tokens}", None)
-    upper = max(0, (pre - static) // cell)
-    need = need_at(resolve_running_requests(inp, upper, ctx))
-    if inp.device.startswith("cuda"):
-        # The ledger's own reserve, but never less than SGLang's empirical one (1.5 MiB per prefill token, ...):
-        # allocator fragmentation and library workspaces are not in the ledger's lines.
-        floor_ = sglang_reserve(inp, static_chunk)
-        reserve = max(need, floor_)
-        mfs = math.floor((pre - reserve) / pre * 1000) / 1000
-        which = (
-            "the ledger's runtime + capture + peak prefill + logits + request table"
-            if need >= floor_
-            else (f"SGLang's reserve formula (above the ledger's {gib(need)})")
-        )
-        reason = (
-            f"chosen so the headroom covers {which} = {gib(reserve)} of {gib(pre)} free: "
-            f"floor((free - reserve) / free) = {mfs:.3f}"
-        )
-        return _Sizing(tokens_for(mfs), mfs, reason, f"the default --mem-fraction-static {mfs:.3f}", target)
-    room = max(0, (pre - static - need) // cell - page)
-    by_ram = int(CPU_POOL_RAM_FRACTION * pre) // cell
-    by_use = (inp.max_running_requests or CPU_MAX_RUNNING_REQUESTS) * ctx
-    both = bool(inp.context_length and inp.max_running_requests)  # an absolute pool target
-    want = target[0] if both else max(min(by_ram, by_use), target[0] if target else 0)
-    tokens = max(0, min(want, room) // page * page)
-    mfs = round((static + (tokens + page) * cell) / pre, 3)
-    why = (
-        f"target {target[1]} = {want:,} tokens"
-        if both
-        else f"min({CPU_POOL_RAM_FRACTION:.0%} of available RAM = {by_ram:,} tokens, "
-        f"{inp.max_running_requests or CPU_MAX_RUNNING_REQUESTS} requests x {ctx} context = {by_use:,} tokens)"
-    )
-    reason = (
-        f"cpu default: KV pool = {why}, capped by what leaves headroom for peak prefill "
-        f"({room:,} tokens), so Kiln does not take over a shared machine; "
-        f"(weights + pool) / available = {mfs:.3f}"
-    )
-    return _Sizing(tokens, mfs, reason, "the default KV pool", target)
 
 
 def compute_core(inp: LedgerInputs) -> Ledger:
@@ -378,7 +227,7 @@ def compute_core(inp: LedgerInputs) -> Ledger:
         graph, _, logits, table = parts(mrr)
         return overhead + graph + prefill + logits + table
 
-    sizing = _size_pool(inp, static, full_cell, ctx, need_at, chunk if chunk > 0 else prefill_tokens)
+    sizing = size_pool(inp, static, full_cell, ctx, need_at, chunk if chunk > 0 else prefill_tokens)
     tokens = sizing.tokens
     mrr = resolve_running_requests(inp, tokens, ctx) if tokens > 0 else (inp.max_running_requests or 1)
     graph, graph_text, logits, table = parts(mrr)
@@ -420,7 +269,7 @@ def compute_core(inp: LedgerInputs) -> Ledger:
         LedgerLine("logits buffer", logits, f"{mrr} requests x vocab {vocab} x 4 B"),
         LedgerLine("headroom", headroom, "available - everything above (must stay >= 0)"),
     ]
-    host_lines, host_fail = _host_check(inp, pool, pre - max(headroom, 0))
+    host_lines, host_fail = host_check(inp, pool, pre - max(headroom, 0))
     lines += host_lines
 
     failure = _first_failure(inp, sizing, static, pre, overhead, tokens, full_cell, after_pool, graph, graph_text,
