@@ -1,7 +1,7 @@
 """The host's float32 FMA peak, and what it allows the comparison's 32-stream workload at most.
 
-A loop of independent 8-wide AVX2 FMAs in registers (no memory traffic), built with g++, on N threads at once: the most float32
-arithmetic these cores do, whatever the kernel. The 32-stream workload of benchmarks/compare.py ((a): 64
+A loop of independent 8-wide AVX2 FMAs in registers (no memory traffic), built with g++, on N threads at once:
+the most float32 arithmetic these cores do, whatever the kernel. The 32-stream workload of benchmarks/compare.py ((a): 64
 requests of ~200 prompt tokens and 128 output tokens) needs at least 2 x (parameters without the embedding)
 FLOPs a prompt token and 2 x parameters a decoded token in float32 (attention, norms and everything else left
 out), so its output tok/s cannot exceed output tokens / (FLOPs / peak).
@@ -50,13 +50,18 @@ int main(int argc, char** argv) {
 """
 
 
-def gflops(threads: int, rounds: int = 200_000_000) -> float:
-    """Best of three runs of the FMA loop on `threads` threads at once, GFLOP/s."""
-    build = Path(tempfile.mkdtemp(prefix="kiln-fma-"))
-    (build / "fma.cpp").write_text(SOURCE)
-    cmd = ["g++", "-O3", "-mavx2", "-mfma", "-pthread", str(build / "fma.cpp"), "-o", str(build / "fma")]
+def build() -> Path:
+    """The FMA loop compiled with g++."""
+    out = Path(tempfile.mkdtemp(prefix="kiln-fma-"))
+    (out / "fma.cpp").write_text(SOURCE)
+    cmd = ["g++", "-O3", "-mavx2", "-mfma", "-pthread", str(out / "fma.cpp"), "-o", str(out / "fma")]
     subprocess.run(cmd, check=True)
-    runs = [subprocess.run([str(build / "fma"), str(threads), str(rounds)], capture_output=True, text=True,
+    return out / "fma"
+
+
+def gflops(binary: Path, threads: int, rounds: int = 200_000_000) -> float:
+    """Best of three runs of the FMA loop on `threads` threads at once, GFLOP/s."""
+    runs = [subprocess.run([str(binary), str(threads), str(rounds)], capture_output=True, text=True,
                            check=True) for _ in range(3)]  # fmt: skip
     return max(float(r.stdout.split()[0]) for r in runs)
 
@@ -69,7 +74,8 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=134_515_008, help="the default model's")
     ap.add_argument("--embedding", type=float, default=49152 * 576, help="its (tied) embedding table")
     args = ap.parse_args()
-    one, all_threads = gflops(1), gflops(args.threads)
+    binary = build()
+    one, all_threads = gflops(binary, 1), gflops(binary, args.threads)
     work = 2 * (args.params - args.embedding) * args.prompt_tokens + 2 * args.params * args.output_tokens
     seconds = work / (all_threads * 1e9)
     print(f"float32 FMA peak: {one:.1f} GFLOP/s on one thread, {all_threads:.1f} on {args.threads}")

@@ -69,17 +69,13 @@ def load_extension(name: str, sources: list[str], build_directory: str | None = 
         except BlockingIOError:
             logger.info(f"Waiting for another Kiln process to finish building {name} in {directory}.")
             fcntl.flock(held, fcntl.LOCK_EX)
-        return _load_holding(cpp_extension, name, sources, directory)
-
-
-def _load_holding(cpp_extension, name: str, sources: list[str], directory: str):
-    stale = os.path.join(directory, "lock")
-    if os.path.exists(stale):
-        logger.warning(f"Removing {stale}, left by a build of {name} that was killed before it finished.")
-        os.remove(stale)
-    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-    return cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                              build_directory=directory)  # fmt: skip
+        stale = os.path.join(directory, "lock")
+        if os.path.exists(stale):
+            logger.warning(f"Removing {stale}, left by a build of {name} that was killed before it finished.")
+            os.remove(stale)
+        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+        return cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                  build_directory=directory)  # fmt: skip
 
 
 def eager_cpu_kernel(x: torch.Tensor):

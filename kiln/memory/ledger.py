@@ -39,8 +39,8 @@ from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's
     weight_bytes,
     weight_inputs,
 )
-from kiln.memory.pool_sizing import host_check, resolve_running_requests, size_pool
-from kiln.memory.units import GIB, MIB, gib
+from kiln.memory.pool_sizing import resolve_running_requests, size_pool
+from kiln.memory.units import GIB, MIB, gb, gib
 from kiln.platform import gguf_blocks_expected
 from kiln.runner.graph_shapes import CPU_GRAPH_MAX_BS
 
@@ -177,6 +177,50 @@ def _validate(inp: LedgerInputs) -> None:
             raise ValueError(message)
 
 
+def _host_check(inp: LedgerInputs, pool: int, device_used: int) -> tuple[list[LedgerLine], str | None]:
+    """Host tier lines (per rank, per node) and the host-memory failure message, if any."""
+    if not inp.enable_hierarchical_cache:
+        return [], None
+    if inp.hicache_size_gb > 0:
+        per_rank, how = (
+            int(inp.hicache_size_gb * 1e9),
+            f"--hicache-size {inp.hicache_size_gb:g} GB (1e9 B) per rank",
+        )
+    else:
+        per_rank, how = (
+            int(inp.hicache_ratio * pool),
+            f"--hicache-ratio {inp.hicache_ratio:g} x KV pool {gib(pool)}",
+        )
+    if inp.host_memory_bytes is not None:
+        host = inp.host_memory_bytes
+    else:
+        from kiln.platform import host_available_bytes
+
+        host = host_available_bytes()
+    reserve = min(10 * GIB, max(GIB, host // 10))
+    shared = (
+        inp.tp_size * device_used if not inp.device.startswith("cuda") else 0
+    )  # on CPU the KV pools are RAM too
+    budget = host - reserve - shared
+    node = inp.tp_size * per_rank
+    minus = f" - cpu ranks' own use {gb(shared)}" if shared else ""
+    lines = [
+        LedgerLine("host tier per rank", per_rank, how),
+        LedgerLine(
+            "host tier node", node, f"{inp.tp_size} ranks x {gb(per_rank)} = {gb(node)} of system RAM"
+        ),
+        LedgerLine("host budget", budget, f"available RAM {gb(host)} - reserve {gb(reserve)}{minus}"),
+    ]
+    if node <= budget:
+        return lines, None
+    message = (
+        f"the hierarchical cache lives in system RAM, not accelerator memory: {how} = {gb(per_rank)} per rank "
+        f"x {inp.tp_size} ranks = {gb(node)} on this node, but only {gb(budget)} is usable "
+        f"(available RAM {gb(host)} - reserve {gb(reserve)}{minus})"
+    )
+    return lines, message
+
+
 def compute_core(inp: LedgerInputs) -> Ledger:
     """compute_ledger without the fix search."""
     _validate(inp)
@@ -269,7 +313,7 @@ def compute_core(inp: LedgerInputs) -> Ledger:
         LedgerLine("logits buffer", logits, f"{mrr} requests x vocab {vocab} x 4 B"),
         LedgerLine("headroom", headroom, "available - everything above (must stay >= 0)"),
     ]
-    host_lines, host_fail = host_check(inp, pool, pre - max(headroom, 0))
+    host_lines, host_fail = _host_check(inp, pool, pre - max(headroom, 0))
     lines += host_lines
 
     failure = _first_failure(inp, sizing, static, pre, overhead, tokens, full_cell, after_pool, graph, graph_text,

@@ -1,5 +1,5 @@
-"""How large the KV pool is, and whether the hierarchical cache's host tier fits in system RAM: the two sizing
-decisions of the memory ledger (kiln/memory/ledger.py), pure arithmetic like the rest of it."""
+"""How large the KV pool is: the memory ledger's sizing decision (kiln/memory/ledger.py), pure arithmetic like the
+rest of it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln.memory.graph_budget import sglang_reserve
-from kiln.memory.units import GIB, gb, gib
+from kiln.memory.units import gib
 
 if TYPE_CHECKING:
-    from kiln.memory.ledger import LedgerInputs, LedgerLine
+    from kiln.memory.ledger import LedgerInputs
 
 # CPU defaults, chosen for a shared 2-core / 24 GiB machine:
 # - the KV pool takes at most 25% of the available RAM (or what CPU_MAX_RUNNING_REQUESTS x context needs,
@@ -38,52 +38,6 @@ class PoolSizing:
     reason: str
     cause: str
     target: tuple[int, str] | None  # (tokens required by an absolute target, its description)
-
-
-def host_check(inp: LedgerInputs, pool: int, device_used: int) -> tuple[list[LedgerLine], str | None]:
-    """Host tier lines (per rank, per node) and the host-memory failure message, if any."""
-    from kiln.memory.ledger import LedgerLine
-
-    if not inp.enable_hierarchical_cache:
-        return [], None
-    if inp.hicache_size_gb > 0:
-        per_rank, how = (
-            int(inp.hicache_size_gb * 1e9),
-            f"--hicache-size {inp.hicache_size_gb:g} GB (1e9 B) per rank",
-        )
-    else:
-        per_rank, how = (
-            int(inp.hicache_ratio * pool),
-            f"--hicache-ratio {inp.hicache_ratio:g} x KV pool {gib(pool)}",
-        )
-    if inp.host_memory_bytes is not None:
-        host = inp.host_memory_bytes
-    else:
-        from kiln.platform import host_available_bytes
-
-        host = host_available_bytes()
-    reserve = min(10 * GIB, max(GIB, host // 10))
-    shared = (
-        inp.tp_size * device_used if not inp.device.startswith("cuda") else 0
-    )  # on CPU the KV pools are RAM too
-    budget = host - reserve - shared
-    node = inp.tp_size * per_rank
-    minus = f" - cpu ranks' own use {gb(shared)}" if shared else ""
-    lines = [
-        LedgerLine("host tier per rank", per_rank, how),
-        LedgerLine(
-            "host tier node", node, f"{inp.tp_size} ranks x {gb(per_rank)} = {gb(node)} of system RAM"
-        ),
-        LedgerLine("host budget", budget, f"available RAM {gb(host)} - reserve {gb(reserve)}{minus}"),
-    ]
-    if node <= budget:
-        return lines, None
-    message = (
-        f"the hierarchical cache lives in system RAM, not accelerator memory: {how} = {gb(per_rank)} per rank "
-        f"x {inp.tp_size} ranks = {gb(node)} on this node, but only {gb(budget)} is usable "
-        f"(available RAM {gb(host)} - reserve {gb(reserve)}{minus})"
-    )
-    return lines, message
 
 
 def size_pool(
