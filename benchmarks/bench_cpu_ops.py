@@ -91,10 +91,10 @@ def _allocator_table(bs: int, prefix: int, own: int) -> tuple[torch.Tensor, torc
 
 
 def shared_prefix_row(bs: int = 32, prefix: int = 1296, own: int = 64) -> None:
+    from kiln.core.forward_batch import ForwardBatch, ForwardMode
     from kiln.layers.cpu_gemm import blocked_kernel
     from kiln.memory.kv_pool import KVPool
     from kiln.runner.attention import TorchAttentionBackend, _distinct_slots
-    from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 
     kernel, group = blocked_kernel(), HEADS // KV_HEADS
     pool = KVPool(65_536, 1, 1, KV_HEADS, HEAD_DIM, torch.float32)

@@ -199,9 +199,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     from kiln.loader.default_model import default_model_path
-    from kiln.models.config import read_hf_config_dict
+    from kiln.loader.model_config import read_hf_config
 
-    cfg = read_hf_config_dict(default_model_path())
+    cfg = read_hf_config(default_model_path())
     hidden, ffn, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     qkv = (heads + 2 * cfg.get("num_key_value_heads", heads)) * head_dim

@@ -16,15 +16,15 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _generate(ns: argparse.Namespace) -> int:
+    from kiln.core.logs import configure_logging
     from kiln.engine import Engine
-    from kiln.server.logs import configure_logging
 
     configure_logging(ns.log_level)
     args = {k: v for k, v in vars(ServerArgs.from_cli(ns)).items()}
     eng = Engine(**args)
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
     if ns.chat:
-        from kiln.server.tokenizer import apply_chat_template
+        from kiln.text.tokenizer import apply_chat_template
 
         ids = apply_chat_template(eng.tokenizer, [{"role": "user", "content": ns.prompt}])
         out = eng.generate(input_ids=ids, sampling_params=params)
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.set_defaults(func=_generate)
-    from kiln import plan, wait
+    import kiln.plan as plan
+    import kiln.wait as wait
     from kiln.bench import cli as bench_cli
 
     plan.register(sub)

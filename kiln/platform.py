@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from kiln.memory.units import GIB
+from kiln.core.units import GIB
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Values at or above this are "no limit" (cgroup v1 reports ~2^63 rounded to the page size).

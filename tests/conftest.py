@@ -34,7 +34,7 @@ def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from kiln.loader.default_model import default_model_path
-    from kiln.server.tokenizer import load_tokenizer
+    from kiln.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[

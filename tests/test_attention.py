@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.memory.kv_pool import KVPool
 from kiln.runner import attention
 from kiln.runner.attention import TorchAttentionBackend
-from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 
 HQ, HK, D = 6, 2, 16
 

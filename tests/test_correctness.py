@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import kiln
+from kiln.core.forward_batch import ForwardMode
 from kiln.loader.weights import load_model
 from kiln.runner import model_runner
-from kiln.runner.forward_batch import ForwardMode
 
 NEW_TOKENS = 8
 # 22 prompts of 1 .. 2000 tokens; most short, two long
@@ -68,7 +68,7 @@ parking permits by twelve percent, starting in March.
 @functools.cache
 def _token_stream() -> list[int]:
     from kiln.loader.default_model import default_model_path
-    from kiln.server.tokenizer import load_tokenizer
+    from kiln.text.tokenizer import load_tokenizer
 
     return list(load_tokenizer(default_model_path()).encode(TEXT))
 

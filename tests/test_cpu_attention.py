@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.layers.cpu_gemm import cpu_decode_attention, has_cpu_decode_attention
 from kiln.memory.kv_pool import KVPool
 from kiln.runner.attention import TorchAttentionBackend, common_prefix
-from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 
 HQ, HK, D = 9, 3, 64
 POOL = KVPool(4096, 1, 1, HK, D, torch.float32)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.layers import cpu_gemm
+from kiln.loader.model_config import load_model_config
 from kiln.loader.weights import load_model
-from kiln.models.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(cpu_gemm.prepack(torch.zeros(16, 8)) is None, reason="no CPU prepacking here")
 AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -108,7 +108,7 @@ def test_only_float32_on_cpu_is_packed():
 @pytest.mark.parametrize("prepack", [True, False])
 @pytest.mark.parametrize("kind", ["tiny_llama", "tiny_qwen3"])  # untied and tied lm head
 def test_model_weights_packed_at_load(request, kind, prepack, layout):
-    cfg = ModelConfig.load(request.getfixturevalue(kind))
+    cfg = load_model_config(request.getfixturevalue(kind))
     model = load_model(cfg, torch.float32, "cpu", 128, prepack=prepack)
     layer = model.model.layers[0]
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kiln.server.detokenizer import IncrementalDetokenizer, find_stop, stop_prefix_len
+from kiln.text.detokenizer import IncrementalDetokenizer, find_stop, stop_prefix_len
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FRAGMENTS = [

@@ -17,18 +17,18 @@ from conftest import ServerProcess
 from test_correctness import hf_greedy, load_hf
 
 import kiln
-from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
-from kiln.memory.ledger import LedgerInputs, compute_ledger
-from kiln.runner import graph_backends, graph_runner
-from kiln.runner.attention import common_prefix
-from kiln.runner.forward_batch import ForwardBatch, ForwardMode
-from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, pad_decode_inputs
-from kiln.runner.graph_shapes import (
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
+from kiln.core.graph_shapes import (
     bucket_for,
     decode_graph_batch_sizes,
     prefill_bucket_for,
     prefill_graph_token_sizes,
 )
+from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
+from kiln.memory.ledger import LedgerInputs, compute_ledger
+from kiln.runner import graph_backends, graph_runner
+from kiln.runner.attention import common_prefix
+from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, pad_decode_inputs
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import GenerateReq
 

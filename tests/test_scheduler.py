@@ -17,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.req_to_token import ReqToTokenPool
-from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
 from kiln.scheduler.scheduler import Scheduler

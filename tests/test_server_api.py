@@ -241,7 +241,7 @@ def test_stop_string_not_in_output(client, model, reference):
 
 # ---------------------------------------------------------------------------------------------- native /generate
 def test_generate_text_and_input_ids(server, default_model):
-    from kiln.server.tokenizer import load_tokenizer
+    from kiln.text.tokenizer import load_tokenizer
 
     ids = load_tokenizer(default_model).encode(PROMPT)
     params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}

@@ -26,7 +26,7 @@ def reference(default_model):
     """(prompt ids, greedy continuation ids) per prompt, from transformers reading the same GGUF."""
     from transformers import AutoModelForCausalLM
 
-    from kiln.server.tokenizer import load_tokenizer
+    from kiln.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model)
     model = AutoModelForCausalLM.from_pretrained(

@@ -9,8 +9,15 @@ the ledger's inputs, like the ledger.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+from kiln.core.graph_shapes import (
+    CPU_PREFILL_GRAPH_MAX_TOKENS,
+    CUDA_GRAPH_KV_WIDTH,
+    decode_graph_batch_sizes,
+    prefill_graph_token_sizes,
+)
+from kiln.core.units import GIB, MIB
+from kiln.memory.ledger_types import LedgerInputs
 from kiln.memory.model_shapes import (
     _is_mla,
     _req,
@@ -20,16 +27,6 @@ from kiln.memory.model_shapes import (
     kv_dims,
     text_config,
 )
-from kiln.memory.units import GIB, MIB
-from kiln.runner.graph_shapes import (
-    CPU_PREFILL_GRAPH_MAX_TOKENS,
-    CUDA_GRAPH_KV_WIDTH,
-    decode_graph_batch_sizes,
-    prefill_graph_token_sizes,
-)
-
-if TYPE_CHECKING:
-    from kiln.memory.ledger import LedgerInputs
 
 # CPU compiled shapes: inductor's runtime once, then each shape's code and buffers. Measured (process RSS across
 # the capture phase, default model): 4 decode steps 0.139 GB, 5 decode steps 0.156 GB, 3 prefill sizes 0.05 GB

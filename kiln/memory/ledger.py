@@ -7,14 +7,18 @@ cache's "GB" is 1e9 (it is given per rank, in GB, like SGLang's `--hicache-size`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
+from kiln.core.graph_shapes import CPU_GRAPH_MAX_BS
+from kiln.core.units import GIB, MIB, gb, gib
+from kiln.memory.fix_search import find_fix
 from kiln.memory.graph_budget import (
     cuda_defaults,
     graph_batch_sizes,
     graph_prefill_tokens,
     graph_reserve,
 )
+from kiln.memory.ledger_types import Failure, Ledger, LedgerInputs, LedgerLine
 from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's public arithmetic
     _attn_params,
     _experts,
@@ -40,96 +44,12 @@ from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's
     weight_inputs,
 )
 from kiln.memory.pool_sizing import resolve_running_requests, size_pool
-from kiln.memory.units import GIB, MIB, gb, gib
-from kiln.platform import gguf_blocks_expected
-from kiln.runner.graph_shapes import CPU_GRAPH_MAX_BS
 
 # CPU default prefill chunk: at ~800 tok/s a 2048-token chunk takes ~2.5 s; longer chunks stall running decodes
 # for longer without making prefill faster, and the activations of a 2048-token chunk are small.
 CPU_CHUNKED_PREFILL_SIZE = 2048
 # Interpreter, tokenizer, allocator slack; on CUDA SGLang's 512 MiB + tp/8 GiB of communication buffers.
 RUNTIME_OVERHEAD_BYTES = 512 * MIB
-MOMENTS = ("load_weights", "kv_allocation", "host_memory", "graph_capture", "first_full_prefill")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LedgerInputs:
-    hf_config: dict
-    device: str = "cpu"
-    device_memory_bytes: int
-    available_memory_bytes: int  # free before loading, per rank
-    tp_size: int = 1
-    dtype: str = "float32"  # resolved weight/activation dtype name
-    kv_cache_dtype: str | None = None
-    mem_fraction_static: float | None = None
-    max_total_tokens: int | None = None
-    context_length: int | None = None
-    max_running_requests: int | None = None
-    chunked_prefill_size: int | None = None
-    max_prefill_tokens: int = 16384
-    page_size: int = 1
-    cuda_graph_max_bs: int | None = None
-    cuda_graph_bs: tuple[int, ...] | None = None
-    cuda_graph_max_bs_prefill: int | None = None
-    cuda_graph_bs_prefill: tuple[int, ...] | None = None
-    disable_cuda_graph: bool = False
-    disable_prefill_graph: bool = False
-    enable_hierarchical_cache: bool = False
-    hicache_size_gb: float = 0.0
-    hicache_ratio: float = 2.0
-    host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
-    draft_hf_config: dict | None = None  # speculative decoding draft model
-    weight_prepack: bool = True  # CPU float32: linear weights in a packed layout (a tied lm head gets a copy)
-    # CPU float32 with prepacking: GGUF Q4_1 / Q8_0 matrices stay in their blocks (Kiln's kernel, AVX2)
-    gguf_blocks: bool = field(default_factory=gguf_blocks_expected)
-
-
-@dataclass(frozen=True)
-class LedgerLine:
-    name: str
-    bytes: int
-    inputs: str  # the arithmetic behind the number
-
-
-@dataclass(frozen=True)
-class Failure:
-    moment: str  # one of MOMENTS
-    message: str
-    fix: str
-    fix_flags: dict = field(default_factory=dict)  # the primary fix as serve flags, e.g. {"--tp-size": "2"}
-
-
-@dataclass(frozen=True)
-class Ledger:
-    lines: tuple[LedgerLine, ...]
-    kv_bytes_per_token: int
-    weight_bytes: int
-    max_total_num_tokens: int
-    max_running_requests: int
-    context_len: int
-    chunked_prefill_size: int
-    max_prefill_tokens: int
-    mem_fraction_static: float
-    mem_fraction_reason: str
-    graph_reserve_bytes: int
-    graph_batch_sizes: tuple[int, ...]
-    graph_prefill_tokens: tuple[int, ...]
-    prefill_activation_bytes: int
-    logits_bytes: int
-    headroom_bytes: int
-    fits: bool
-    failure: Failure | None
-    device: str = "cpu"
-    tp_size: int = 1
-
-    def line(self, name: str) -> LedgerLine:
-        return next(x for x in self.lines if x.name == name)
-
-    def has_line(self, name: str) -> bool:
-        return any(x.name == name for x in self.lines)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------- sizing
@@ -137,8 +57,6 @@ class Ledger:
 
 def compute_ledger(inp: LedgerInputs) -> Ledger:
     """The ledger for these inputs; when it does not fit, the failure names the moment and a verified fix."""
-    from kiln.memory.ledger_format import find_fix
-
     ledger = compute_core(inp)
     if ledger.failure is None:
         return ledger

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import resource
 
+from kiln.core.units import GIB
 from kiln.memory.ledger import Ledger
-from kiln.memory.units import GIB
 
 
 def peak_rss_bytes() -> int:

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from kiln.core.units import gib
 from kiln.memory.graph_budget import sglang_reserve
-from kiln.memory.units import gib
-
-if TYPE_CHECKING:
-    from kiln.memory.ledger import LedgerInputs
+from kiln.memory.ledger_types import LedgerInputs
 
 # CPU defaults, chosen for a shared 2-core / 24 GiB machine:
 # - the KV pool takes at most 25% of the available RAM (or what CPU_MAX_RUNNING_REQUESTS x context needs,

@@ -1,9 +1,8 @@
-"""Model configuration resolved once from config.json or GGUF metadata."""
+"""Model configuration resolved once from an HF config dict (config.json or GGUF metadata: kiln.loader reads
+either)."""
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,21 +13,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-def read_hf_config_dict(model_path: str) -> dict:
-    """The HF config dict of a model directory, a config.json file or a .gguf file (metadata only)."""
-    if model_path.endswith(".gguf"):
-        from kiln.loader.gguf_loader import read_gguf_config
-
-        return read_gguf_config(model_path)
-    path = model_path if model_path.endswith(".json") else os.path.join(model_path, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"--model-path {model_path!r}: no config.json (expected an HF model directory or a .gguf file)"
-        )
-    with open(path) as f:
-        return json.load(f)
 
 
 @dataclass(frozen=True)
@@ -52,10 +36,10 @@ class ModelConfig:
     is_gguf: bool
 
     @classmethod
-    def load(cls, model_path: str) -> ModelConfig:
+    def from_hf_dict(cls, model_path: str, d: dict) -> ModelConfig:
+        """The config of the model at `model_path` (a directory or a .gguf file) from its HF config dict."""
         from transformers import AutoConfig
 
-        d = read_hf_config_dict(model_path)
         clean = {k: v for k, v in d.items() if not k.startswith("kiln_") and k != "model_type"}
         hf = AutoConfig.for_model(d["model_type"], **clean)
         heads = hf.num_attention_heads

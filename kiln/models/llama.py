@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kiln.core.forward_batch import ForwardBatch, Pieces
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -14,7 +15,6 @@ from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.models.config import ModelConfig
 from kiln.models.weight_utils import default_weight_loader
-from kiln.runner.forward_batch import ForwardBatch, Pieces
 
 # checkpoint name fragment -> (merged parameter name fragment, shard id)
 STACKED_PARAMS = [

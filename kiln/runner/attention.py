@@ -7,9 +7,9 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.layers.cpu_gemm import cpu_decode_attention, has_cpu_decode_attention
 from kiln.memory.kv_pool import KVPool
-from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 
 # fresh prompts of one batch share a padded SDPA call while padding adds at most this factor of work
 MAX_PAD_FACTOR = 1.25

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.core.forward_batch import ForwardBatch, ForwardMode, Pieces
 from kiln.runner.attention import common_prefix
-from kiln.runner.forward_batch import ForwardBatch, ForwardMode, Pieces
 
 # capture(fn, pool) -> (replay, pool): records fn as a graph in the memory pool and returns what replays it
 GraphCapture = Callable[[Callable[[], None], Any], tuple[Callable[[], None], Any]]

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.memory.units import GIB
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
+from kiln.core.graph_shapes import CUDA_GRAPH_KV_WIDTH, bucket_for, prefill_bucket_for
+from kiln.core.units import GIB
 from kiln.platform import available_gb, used_memory_bytes
-from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 from kiln.runner.graph_backends import (
     CAPTURE_KV_LEN,
     BreakablePrefill,
@@ -34,7 +35,6 @@ from kiln.runner.graph_backends import (
     dummy_extend_batch,
 )
 from kiln.runner.graph_payoff import PayoffStore
-from kiln.runner.graph_shapes import CUDA_GRAPH_KV_WIDTH, bucket_for, prefill_bucket_for
 
 logger = logging.getLogger("kiln")
 

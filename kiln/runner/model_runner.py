@@ -9,16 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.core.forward_batch import ForwardBatch
+from kiln.core.units import GIB
 from kiln.layers.cpu_gemm import packed_layout_name
 from kiln.loader.weights import load_model
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import KVPool
 from kiln.memory.req_to_token import ReqToTokenPool
-from kiln.memory.units import GIB
 from kiln.models.config import ModelConfig
 from kiln.platform import available_gb, current_rss_bytes
 from kiln.runner.attention import TorchAttentionBackend
-from kiln.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger("kiln")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.memory.req_to_token import ReqToTokenPool
-from kiln.runner.forward_batch import ForwardBatch, ForwardMode
 from kiln.scheduler.req import Req
 
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import ServerArgs
+from kiln.loader.model_config import load_model_config
 from kiln.memory.ledger import Ledger, LedgerInputs, compute_ledger
 from kiln.models.config import ModelConfig, dtype_from_name
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.scheduler.scheduler import Scheduler
-from kiln.server.tokenizer import load_tokenizer
+from kiln.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kiln")
 
@@ -41,7 +42,7 @@ def resolve_device(args: ServerArgs) -> str:
 
 
 def plan(args: ServerArgs, model_config: ModelConfig, device: str) -> Ledger:
-    from kiln import platform
+    import kiln.platform as platform
 
     dev_mem = (
         platform.parse_size(args.device_memory) if args.device_memory else platform.total_memory_bytes(device)
@@ -111,7 +112,7 @@ def build_engine(args: ServerArgs, on_phase: Callable[[str, dict], None] | None 
     device = resolve_device(args)
     if device == "cpu":
         torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))
-    model_config = ModelConfig.load(args.model_path)
+    model_config = load_model_config(args.model_path)
     ledger = plan(args, model_config, device)
     from kiln.memory.ledger_format import format_refusal, format_table
 

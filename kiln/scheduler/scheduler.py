@@ -23,7 +23,7 @@ from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.prefill import PrefillAdder
 from kiln.scheduler.req import Req
 from kiln.scheduler.validate import Limits, validate_request
-from kiln.server.detokenizer import IncrementalDetokenizer
+from kiln.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kiln")
 

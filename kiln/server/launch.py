@@ -15,14 +15,14 @@ import time
 import uvicorn
 
 from kiln.config import ServerArgs
+from kiln.core.logs import configure_logging
+from kiln.scheduler.engine_proc import engine_main
 from kiln.scheduler.validate import Limits
 from kiln.server.app import ServerState, create_app
 from kiln.server.engine_client import EngineClient
-from kiln.server.engine_proc import engine_main
-from kiln.server.logs import configure_logging
 from kiln.server.openai_api import OpenAIServing
 from kiln.server.startup import StartupState
-from kiln.server.tokenizer import load_tokenizer
+from kiln.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kiln")
 WARMUP_PROMPT = "The capital city of France is"

@@ -27,7 +27,7 @@ from kiln.server.responses import (
     logprobs_completion,
     usage,
 )
-from kiln.server.tokenizer import apply_chat_template
+from kiln.text.tokenizer import apply_chat_template
 
 
 @dataclass

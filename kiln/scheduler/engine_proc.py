@@ -12,9 +12,9 @@ import uuid
 import zmq
 
 from kiln.config import ServerArgs
+from kiln.core.logs import configure_logging
 from kiln.scheduler.io import AbortReq, BatchOut, ControlOut, ControlReq, GenerateReq
 from kiln.scheduler.output import OutputProcessor
-from kiln.server.logs import configure_logging
 
 logger = logging.getLogger("kiln")
 HEARTBEAT_SECONDS = 1.0
