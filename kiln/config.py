@@ -66,6 +66,13 @@ class ServerArgs:
         False,
         "CPU: keep linear weights in their plain layout (F.linear) instead of a prepacked one (Kiln's or oneDNN's)",
     )
+    cpu_gemm: str = _f(
+        "auto",
+        "CPU matmul kernel for float32 linear weights: auto (Kiln's kernel where the CPU has AVX2 and FMA, GGUF "
+        "Q4_1 / Q8_0 matrices kept in their blocks; else oneDNN's) | kiln (Kiln's kernel, refused where the CPU "
+        "cannot run it) | f32 (Kiln's kernel on float32 weights only: every GGUF matrix dequantized) | onednn",
+        choices=["auto", "kiln", "f32", "onednn"],
+    )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")
     host_memory: str | None = _f(None, "host RAM to plan for, e.g. 512GiB (default: probed)")

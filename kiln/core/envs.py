@@ -1,0 +1,41 @@
+"""Every environment variable Kiln reads, in one place (vLLM's envs.py). User choices are flags (`kiln serve
+--help`); what is left here is either another tool's own variable that Kiln honours, or a hook for the tests.
+Each is read through a function that validates it and names the valid values in its error."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# The startup-failure tests' hook: make the engine process crash or stall when it enters a startup phase, so
+# that the front's handling of a dead or silent engine can be tested end to end. "crash:<phase>" | "stall:<phase>".
+KILN_FAULT = "KILN_FAULT"
+# inductor's own on-disk cache directory; the default for --compile-cache-dir when set.
+TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
+
+FAULT_KINDS = ("crash", "stall")
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value Kiln does not take."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # one of FAULT_KINDS
+    phase: str
+
+
+def fault() -> Fault | None:
+    """KILN_FAULT parsed, or None when unset."""
+    raw = os.environ.get(KILN_FAULT, "")
+    if not raw:
+        return None
+    kind, sep, phase = raw.partition(":")
+    if kind not in FAULT_KINDS or not sep or not phase:
+        raise EnvError(f"{KILN_FAULT}={raw!r}: expected crash:<phase> or stall:<phase>")
+    return Fault(kind, phase)
+
+
+def inductor_cache_dir() -> str | None:
+    return os.environ.get(TORCHINDUCTOR_CACHE_DIR) or None
