@@ -5,10 +5,10 @@ the default model's eager decode with its GGUF blocks against float32 weights.
   gathers + SDPA (the path compiled steps and other devices take), default model's heads (9 query, 3 KV, dim 64)
 - decode attention over a shared prefix (32 requests, a 1,296-slot common prefix + up to 64 slots each): the
   kernel reading the prefix once per chunk of 8 requests (`shared`) vs walking each request's slots vs one SDPA
-  call over the batch's distinct slots (the path such batches took before the kernel knew of prefixes)
+  call over the batch's distinct slots (TorchSdpaBackend's own way of reading a common prefix once)
 - RMSNorm: one call vs F.rms_norm, hidden 576
-- decode tok/s of the default model, eager, at batch 1 / 8 / 32: Q4_1 / Q8_0 blocks (the default) vs
-  KILN_CPU_GEMM=kiln-f32 (float32 weights), engines alternating
+- decode tok/s of the default model, eager, at batch 1 / 8 / 32: Q4_1 / Q8_0 blocks (--cpu-gemm auto, the
+  default) vs --cpu-gemm f32 (float32 weights), engines alternating
 - `--against REV`: instead, decode attention as this tree's kernel vs the kernel built from git revision REV's
   sources (a kernel change against the code before it), alternating call batches, outputs compared bit for bit
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import subprocess
 import tempfile
@@ -94,18 +93,18 @@ def shared_prefix_row(bs: int = 32, prefix: int = 1296, own: int = 64) -> None:
     from kiln.core.forward_batch import ForwardBatch, ForwardMode
     from kiln.layers.cpu_gemm import blocked_kernel
     from kiln.memory.kv_pool import KVPool
-    from kiln.runner.attention import TorchAttentionBackend, _distinct_slots
+    from kiln.runner.attention import TorchSdpaBackend
 
-    kernel, group = blocked_kernel(), HEADS // KV_HEADS
+    kernel = blocked_kernel()
     pool = KVPool(65_536, 1, 1, KV_HEADS, HEAD_DIM, torch.float32)
     pool.k[0].normal_(), pool.v[0].normal_()
     table, mask = _allocator_table(bs, prefix, own)
     q = torch.randn(bs, HEADS, HEAD_DIM)
     fb = ForwardBatch(ForwardMode.DECODE, q, q, q, None, kv_table=table, kv_mask=mask.view(bs, 1, 1, -1))
-    backend = TorchAttentionBackend(pool)
+    backend = TorchSdpaBackend(pool, HEADS)
 
     def distinct():
-        return backend._decode_over_distinct(0, q, _distinct_slots(fb, group), group, 0.125)
+        return backend._decode_over_distinct(0, q, backend.prepare_metadata(fb).distinct, 0.125)
 
     def walk(shared: int):
         return kernel.decode_attention(q, pool.k[0], pool.v[0], table, mask, 0.125, shared)
@@ -139,19 +138,18 @@ def engine_rows(batch_sizes: list[int], reps: int) -> None:
     import kiln
     from kiln.loader.default_model import default_model_path
 
-    engines = {}
-    for mode in ("kiln", "kiln-f32"):  # the mode is read when the weights are packed, at load
-        os.environ["KILN_CPU_GEMM"] = mode
-        engines[mode] = kiln.Engine(
-            model_path=default_model_path(), max_total_tokens=16384, max_running_requests=64
+    engines = {
+        mode: kiln.Engine(
+            model_path=default_model_path(), max_total_tokens=16384, max_running_requests=64, cpu_gemm=mode
         )
-    os.environ.pop("KILN_CPU_GEMM")
+        for mode in ("auto", "f32")  # the mode decides how the weights are packed, at load
+    }
     for bs in batch_sizes:
         runs: dict[str, list[float]] = {m: [] for m in engines}
         for r in range(reps):
             for mode, eng in engines.items():
                 runs[mode].append(decode_tok_s(eng, bs, seed=r))
-        q, f = statistics.median(runs["kiln"]), statistics.median(runs["kiln-f32"])
+        q, f = statistics.median(runs["auto"]), statistics.median(runs["f32"])
         print(f"| decode batch {bs} | {q:.1f} tok/s | {f:.1f} tok/s | {q / f:.2f}x |", flush=True)
 
 

@@ -1,5 +1,6 @@
-"""ServerArgs: every flag of `kiln serve` as one frozen dataclass. Field `help` metadata is the CLI help;
-flag names and defaults follow SGLang's where it has them."""
+"""ServerArgs: every flag of `kiln serve` as one frozen dataclass, the one description of them (`kiln plan` and
+`kiln generate` take the same flags). Field `help` metadata is the CLI help, `aliases` other spellings of the
+flag; flag names and defaults follow SGLang's where it has them."""
 
 from __future__ import annotations
 
@@ -8,15 +9,27 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+# The tensor-parallel size `kiln serve` runs today (the multi-process launch is the next step).
+SERVED_TP_SIZE = 1
+
 
 def _f(default: Any, help: str, **kw) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def check_mem_fraction_static(value: float | None) -> None:
+    """The one rule for --mem-fraction-static: a fraction in (0, 1); 1 would leave nothing for activations."""
+    if value is not None and not 0.0 < value < 1.0:
+        raise ValueError(f"--mem-fraction-static {value:g} must be in (0, 1)")
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = _f(
-        None, "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)"
+        None,
+        "HF model directory, its config.json (kiln plan only), a .gguf file or a directory holding one "
+        "(default: the bundled SmolLM2-135M-Instruct GGUF)",
+        aliases=("--model",),
     )
     tokenizer_path: str | None = _f(None, "tokenizer directory (default: the model path)")
     served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model path)")
@@ -26,7 +39,8 @@ class ServerArgs:
     device: str = _f("auto", "cpu | cuda | auto", choices=["auto", "cpu", "cuda"])
     dtype: str = _f(
         "auto",
-        "weight/activation dtype: auto (float32 on CPU) | float32 | bfloat16 | float16",
+        "weight/activation dtype: auto (float32 on CPU; on CUDA the checkpoint's half type, float16 for a float32 "
+        "checkpoint, as SGLang) | float32 | bfloat16 | float16",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     kv_cache_dtype: str = _f(
@@ -46,7 +60,11 @@ class ServerArgs:
     schedule_policy: str = _f("fcfs", "fcfs | lpm (longest cached prefix first)", choices=["fcfs", "lpm"])
     schedule_conservativeness: float = _f(1.0, "scales the decode-token reservation used for admission")
     disable_radix_cache: bool = _f(False, "disable prefix reuse")
-    tp_size: int = _f(1, "tensor-parallel ranks")
+    tp_size: int = _f(
+        1,
+        "tensor-parallel ranks (kiln serve runs 1 today; kiln plan plans more)",
+        aliases=("--tensor-parallel-size",),
+    )
     random_seed: int | None = _f(None, "seed for requests without their own seed")
     stream_interval: int = _f(1, "decode steps between streamed chunks")
     decode_log_interval: int = _f(40, "decode steps between 'Decode batch' log lines")
@@ -110,8 +128,17 @@ class ServerArgs:
         ):
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise ValueError(f"{flag} {list(sizes)}: sizes must be >= 1")
-        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"--mem-fraction-static {self.mem_fraction_static} must be in (0, 1)")
+        check_mem_fraction_static(self.mem_fraction_static)
+
+    def serve_refusal(self) -> str | None:
+        """Why `kiln serve` cannot run these arguments although they are valid (`kiln plan` can plan them)."""
+        if self.tp_size > SERVED_TP_SIZE:
+            return (
+                f"--tp-size {self.tp_size}: serving across several ranks is not available yet (the layers are "
+                f"tensor-parallel, the multi-process launch is not); `kiln plan --tp-size {self.tp_size}` plans "
+                f"such a deployment. Use --tp-size {SERVED_TP_SIZE}."
+            )
+        return None
 
     def with_defaults(self) -> ServerArgs:
         """Fill the model path with the default model when none was given."""
@@ -124,19 +151,18 @@ class ServerArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name, "default": f.default}
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", **kw)
+                parser.add_argument(*flags, action="store_true", **kw)
                 continue
             if str(f.type) == "tuple[int, ...] | None":
-                parser.add_argument(flag, type=int, nargs="+", **kw)
+                parser.add_argument(*flags, type=int, nargs="+", **kw)
                 continue
             typ = {"int | None": int, "int": int, "float": float, "float | None": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=typ, **kw)
-        parser.add_argument("--model", dest="model_path", help=argparse.SUPPRESS)
+            parser.add_argument(*flags, type=typ, **kw)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

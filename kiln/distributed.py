@@ -47,6 +47,12 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads one rank holds: its share of them, rounded up, and one replicated head when there are more ranks
+    than KV heads. The layers shard by it and the memory ledger sizes the KV pool by it, so they agree."""
+    return max(1, -(-num_kv_heads // tp))
+
+
 def divide(n: int, d: int) -> int:
     if n % d:
         raise ValueError(f"{n} is not divisible by tp_size {d}")

@@ -13,15 +13,17 @@ from typing import Any
 
 from kiln.config import ServerArgs
 from kiln.sampling_params import SamplingParams
-from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
+from kiln.scheduler.fanout import fan_out, prefill_only_params
+from kiln.scheduler.io import AbortReq, GenerateReq, OutputAccumulator
 from kiln.scheduler.launch import build_engine
 
 _ids = itertools.count()
 
 
-def output_dict(rid: str, text: str, ids: list[int], last: ReqOutput, logprobs: list, t0: float) -> dict:
+def output_dict(result: OutputAccumulator, t0: float) -> dict:
+    last, logprobs = result.output, result.logprobs
     meta: dict[str, Any] = {
-        "id": rid,
+        "id": last.rid,
         "finish_reason": last.finish_reason,
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
@@ -34,7 +36,7 @@ def output_dict(rid: str, text: str, ids: list[int], last: ReqOutput, logprobs: 
         meta["output_top_logprobs"] = [lp.top for lp in logprobs]
     if last.error:
         meta["error"] = last.error
-    return {"text": text, "output_ids": ids, "meta_info": meta}
+    return {"text": result.text, "output_ids": result.ids, "meta_info": meta}
 
 
 class Engine:
@@ -44,7 +46,7 @@ class Engine:
         self.tokenizer = self.parts.tokenizer
 
     def _run(self, reqs: list[GenerateReq]) -> dict[str, dict]:
-        acc = {r.rid: {"text": "", "ids": [], "logprobs": []} for r in reqs}
+        acc = {r.rid: OutputAccumulator() for r in reqs}
         done: dict[str, dict] = {}
         t0 = time.time()
         for r in reqs:
@@ -54,12 +56,9 @@ class Engine:
             if not outs and not self.scheduler.has_work:
                 break
             for o in outs:
-                a = acc[o.rid]
-                a["text"] += o.text_delta
-                a["ids"].extend(o.new_ids)
-                a["logprobs"].extend(o.logprobs or [])
+                acc[o.rid].add(o)
                 if o.finished:
-                    done[o.rid] = output_dict(o.rid, a["text"], a["ids"], o, a["logprobs"], t0)
+                    done[o.rid] = output_dict(acc[o.rid], t0)
         return done
 
     def generate(
@@ -79,24 +78,14 @@ class Engine:
         sp = sampling_params or {}
         sps = sp if isinstance(sp, list) else [sp] * len(ids_list)
         params = [SamplingParams(**p).normalize() for p in sps]
-        # n > 1: the prompt is prefilled once (a prefill-only request), then the samples share its KV
-        warm = [
-            GenerateReq(f"warm-{next(_ids)}", ids, SamplingParams(max_new_tokens=0))
-            for ids, p in zip(ids_list, params)
-            if p.n > 1
+        plan = fan_out(ids_list, params)
+        if plan.warm:
+            self._run([GenerateReq(f"warm-{next(_ids)}", ids, prefill_only_params()) for ids in plan.warm])
+        groups = [
+            [GenerateReq(f"req-{next(_ids)}", list(s.input_ids), s.params) for s in g] for g in plan.groups()
         ]
-        if warm:
-            self._run(warm)
-        reqs, groups = [], []
-        for ids, p in zip(ids_list, params):
-            rids = []
-            for _ in range(p.n):
-                rid = f"req-{next(_ids)}"
-                reqs.append(GenerateReq(rid, list(ids), p))
-                rids.append(rid)
-            groups.append(rids)
-        done = self._run(reqs)
-        results = [done[rids[0]] if len(rids) == 1 else [done[r] for r in rids] for rids in groups]
+        done = self._run([r for group in groups for r in group])
+        results = [done[g[0].rid] if len(g) == 1 else [done[r.rid] for r in g] for g in groups]
         return results[0] if single else results
 
     def abort_all(self) -> None:

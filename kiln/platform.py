@@ -111,30 +111,42 @@ def available_gb(device: str) -> float:
     return available_memory_bytes(device) / GIB
 
 
-def cpu_kernel_mode() -> str:
-    """KILN_CPU_GEMM: "kiln" (default: Kiln's kernel, GGUF Q4_1 / Q8_0 matrices kept in their blocks), "kiln-f32"
-    (Kiln's kernel on float32 weights only) or "onednn" (oneDNN's packed layout)."""
-    import os
+# --cpu-gemm's values. "auto" and "kiln" keep a GGUF's Q4_1 / Q8_0 matrices in their blocks; "f32" dequantizes
+# them for the same kernel; "onednn" keeps Kiln's CPU kernels out (nothing is built).
+CPU_GEMM_MODES = ("auto", "kiln", "f32", "onednn")
+_GGUF_BLOCK_MODES = ("auto", "kiln")
+_KILN_KERNEL_CAPABILITIES = ("AVX2", "AVX512")
 
-    return os.environ.get("KILN_CPU_GEMM", "kiln")
 
-
-def gguf_blocks_expected() -> bool:
-    """Whether Kiln's CPU kernel will keep GGUF Q4_1 / Q8_0 matrices in their blocks here (AVX2 and the default
-    KILN_CPU_GEMM); the kernel is built on first use, so this does not build it."""
+def cpu_capability() -> str:
+    """The vector instruction set torch dispatches to on this CPU ("AVX2", "AVX512", "DEFAULT", ...)."""
     import torch
 
-    return cpu_kernel_mode() == "kiln" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return torch.backends.cpu.get_cpu_capability()
 
 
-def supports_graphs(device: str) -> bool:
-    """Whether graph capture (CUDA graphs) is available on this device."""
-    return device.startswith("cuda")
+def cpu_runs_kiln_kernel() -> bool:
+    """Whether this CPU can run Kiln's kernels (AVX2 with FMA, which torch's AVX2 level implies)."""
+    return cpu_capability() in _KILN_KERNEL_CAPABILITIES
 
 
-def dist_backend(device: str) -> str:
-    """torch.distributed backend for this device."""
-    return "nccl" if device.startswith("cuda") else "gloo"
+def check_cpu_gemm(mode: str) -> str:
+    """The --cpu-gemm mode, validated: a ValueError names the flag and the valid values, or, for "kiln" on a CPU
+    that cannot run Kiln's kernel, the CPU's capability (auto would fall back to oneDNN's layout silently)."""
+    if mode not in CPU_GEMM_MODES:
+        raise ValueError(f"--cpu-gemm {mode!r}: expected one of {', '.join(CPU_GEMM_MODES)}")
+    if mode == "kiln" and not cpu_runs_kiln_kernel():
+        raise ValueError(
+            f"--cpu-gemm kiln: Kiln's CPU kernel needs AVX2 and FMA, and this CPU's capability is "
+            f"{cpu_capability()}. Use --cpu-gemm auto (oneDNN's layout here) or --cpu-gemm onednn."
+        )
+    return mode
+
+
+def gguf_blocks_expected(mode: str) -> bool:
+    """Whether Kiln's CPU kernel will keep GGUF Q4_1 / Q8_0 matrices in their blocks here under --cpu-gemm `mode`
+    (auto or kiln, on a CPU with AVX2); asked before loading, so it does not build the kernel."""
+    return check_cpu_gemm(mode) in _GGUF_BLOCK_MODES and cpu_runs_kiln_kernel()
 
 
 _UNITS = {

@@ -3,14 +3,20 @@ one call per prompt, with a cached-prefix request mixed in between."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from kiln.core.forward_batch import ForwardBatch, ForwardMode
+from kiln.core.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
 from kiln.memory.kv_pool import KVPool
-from kiln.runner import attention
-from kiln.runner.attention import TorchAttentionBackend
+from kiln.runner.attention import TorchSdpaBackend, torch_sdpa
 
 HQ, HK, D = 6, 2, 16
+
+
+def _prepared(backend: TorchSdpaBackend, fb: ForwardBatch) -> ForwardBatch:
+    """The batch as the model runner hands it to the model: with its attention metadata."""
+    return replace(fb, attn=backend.prepare_metadata(fb))
 
 
 def _batch(pool: KVPool, lens: list[int], prefixes: list[int]) -> ForwardBatch:
@@ -41,13 +47,13 @@ def test_fresh_prompts_batched_match_one_call_each(monkeypatch):
     lens, prefixes = [5, 6, 3, 6, 7], [0, 0, 9, 0, 0]  # fresh: 24 tokens, padded 4 x 7 = 28 (<= 1.25x)
     fb = _batch(pool, lens, prefixes)
     q, k, v = torch.randn(sum(lens), HQ, D), torch.randn(sum(lens), HK, D), torch.randn(sum(lens), HK, D)
-    backend = TorchAttentionBackend(pool)
+    backend = TorchSdpaBackend(pool, HQ)
     calls = []
-    real = TorchAttentionBackend._fresh_together
+    real = TorchSdpaBackend._fresh_together
     monkeypatch.setattr(
-        TorchAttentionBackend, "_fresh_together", staticmethod(lambda *a: calls.append(a) or real(*a))
+        TorchSdpaBackend, "_fresh_together", staticmethod(lambda *a: calls.append(a) or real(*a))
     )
-    got = backend.forward(0, q, k, v, fb, D**-0.5)
+    got = backend.forward(0, q, k, v, _prepared(backend, fb), D**-0.5)
     assert len(calls) == 1, "the four fresh prompts were not batched"
     start, want = 0, []
     for ext, pre, slots in zip(lens, prefixes, fb.seq_slots):
@@ -63,11 +69,12 @@ def test_padding_beyond_the_cap_runs_one_call_each(monkeypatch):
     fb = _batch(pool, lens, [0, 0])
     n = sum(lens)
     called = []
-    monkeypatch.setattr(TorchAttentionBackend, "_fresh_together", staticmethod(lambda *a: called.append(a)))
-    TorchAttentionBackend(pool).forward(
-        0, torch.randn(n, HQ, D), torch.randn(n, HK, D), torch.randn(n, HK, D), fb, 1.0
+    monkeypatch.setattr(TorchSdpaBackend, "_fresh_together", staticmethod(lambda *a: called.append(a)))
+    backend = TorchSdpaBackend(pool, HQ)
+    backend.forward(
+        0, torch.randn(n, HQ, D), torch.randn(n, HK, D), torch.randn(n, HK, D), _prepared(backend, fb), 1.0
     )
-    assert not called and attention.MAX_PAD_FACTOR == 1.25
+    assert not called and torch_sdpa.MAX_PAD_FACTOR == 1.25
 
 
 def _decode_batch(tables: list[list[int]]) -> ForwardBatch:
@@ -95,12 +102,14 @@ def _decode_both_ways(tables: list[list[int]]):
     pool.v[0].normal_()
     b = len(tables)
     q, k, v = torch.randn(b, HQ, D), torch.randn(b, HK, D), torch.randn(b, HK, D)
-    backend = TorchAttentionBackend(pool)
-    backend.cpu_kernel = False  # the SDPA paths every device has (the CPU kernel: test_cpu_attention.py)
-    fb = _decode_batch(tables)
+    backend = TorchSdpaBackend(
+        pool, HQ
+    )  # the SDPA paths every device has (the CPU kernel: test_cpu_attention.py)
+    fb = _prepared(backend, _decode_batch(tables))
     got = backend.forward(0, q, k, v, fb, D**-0.5)
-    plain = _decode_batch(tables)
-    plain.shared_kv = False  # force the per-request gather
+    plain = replace(
+        _decode_batch(tables), attn=AttentionMetadata()
+    )  # no distinct slots: the per-request gather
     want = backend.forward(0, q, k, v, plain, D**-0.5)
     return fb, got, want
 
@@ -109,13 +118,14 @@ def test_decode_over_a_shared_prefix_reads_it_once_and_matches_the_gather():
     prefix = list(range(10, 90))
     tails = [list(range(200 + 10 * i, 200 + 10 * i + n)) for i, n in enumerate([1, 4, 9, 2, 7])]
     fb, got, want = _decode_both_ways([prefix + t for t in tails])
-    slots, mask = fb.shared_kv
+    slots, mask = fb.attn.distinct.slots, fb.attn.distinct.mask
     assert slots.numel() == 80 + 23 + 1  # the prefix once, every tail, and the padding slot
     assert mask.shape == (1, 1, 5 * (HQ // HK), slots.numel())
+    assert fb.attn.mostly_shared  # a captured step that gathers each request's rows would lose to this
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_decode_without_sharing_keeps_the_gather():
     fb, got, want = _decode_both_ways([list(range(1 + 50 * i, 1 + 50 * i + 40)) for i in range(6)])
-    assert fb.shared_kv is False  # 240 distinct slots > 4 x 40
+    assert fb.attn.distinct is None and not fb.attn.mostly_shared  # 240 distinct slots > 4 x 40
     torch.testing.assert_close(got, want)

@@ -4,6 +4,8 @@ results to the per-request walk over the same table while reading the prefix onc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.layers.cpu_gemm import cpu_decode_attention, has_cpu_decode_attention
 from kiln.memory.kv_pool import KVPool
-from kiln.runner.attention import TorchAttentionBackend, common_prefix
+from kiln.runner.attention import CpuKernelBackend, TorchSdpaBackend, common_prefix, make_attention_backend
 
 HQ, HK, D = 9, 3, 64
 POOL = KVPool(4096, 1, 1, HK, D, torch.float32)
@@ -109,11 +111,11 @@ def test_shared_must_be_whole_tiles():
         cpu_decode_attention()(torch.randn(2, HQ, D), POOL.k[0], POOL.v[0], table, mask, 0.125, 20)
 
 
-def _decode_batch(table, mask) -> ForwardBatch:
+def _decode_batch(table, mask, out_cache_loc: torch.Tensor) -> ForwardBatch:
     b, longest = table.shape
     zeros = torch.zeros(b, dtype=torch.long)
     return ForwardBatch(
-        ForwardMode.DECODE, zeros, zeros, zeros, None, kv_table=table, kv_mask=mask.view(b, 1, 1, -1)
+        ForwardMode.DECODE, zeros, zeros, out_cache_loc, None, kv_table=table, kv_mask=mask.view(b, 1, 1, -1)
     )
 
 
@@ -126,15 +128,23 @@ def testcommon_prefix_counts_whole_tiles_of_shared_valid_slots(prefix, tails, wa
     assert common_prefix(table, mask) == want
 
 
+def test_the_kernel_backend_is_chosen_for_float32_on_the_cpu_and_declares_it():
+    assert isinstance(make_attention_backend(POOL, HQ, torch.float32), CpuKernelBackend)
+    assert type(make_attention_backend(POOL, HQ, torch.bfloat16)) is TorchSdpaBackend  # bfloat16 queries
+    assert CpuKernelBackend.reads_shared_prefix_once and CpuKernelBackend.runs_short_extends
+    assert not (TorchSdpaBackend.reads_shared_prefix_once or TorchSdpaBackend.runs_short_extends)
+
+
 def test_backend_decodes_a_shared_prefix_batch_through_the_kernel():
     table, mask = _table(96, [3, 8, 1, 5])
     b = len(table)
-    fb = _decode_batch(table, mask)
-    fb.out_cache_loc = torch.tensor([int(table[i, 96 + n - 1]) for i, n in enumerate([3, 8, 1, 5])])
+    loc = torch.tensor([int(table[i, 96 + n - 1]) for i, n in enumerate([3, 8, 1, 5])])
     q, k, v = torch.randn(b, HQ, D), torch.randn(b, HK, D), torch.randn(b, HK, D)
-    backend = TorchAttentionBackend(POOL)
+    backend = CpuKernelBackend(POOL, HQ)
+    fb = _decode_batch(table, mask, loc)
+    fb = replace(fb, attn=backend.prepare_metadata(fb))
     got = backend.forward(0, q, k, v, fb, 0.125).view(b, HQ, D)
-    assert fb.shared_prefix == 96 and fb.shared_kv is None  # the kernel, not the distinct-slot SDPA
+    assert fb.attn.shared_prefix == 96 and fb.attn.distinct is None  # the kernel, not the distinct-slot SDPA
     torch.testing.assert_close(got, _reference(q, table, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
@@ -161,10 +171,10 @@ def test_short_extends_on_a_cached_prefix_run_through_the_kernel_like_sdpa():
         )  # fmt: skip
 
     q, k, v = torch.randn(total, HQ, D), torch.randn(total, HK, D), torch.randn(total, HK, D)
-    with_kernel, plain = TorchAttentionBackend(POOL), TorchAttentionBackend(POOL)
-    plain.cpu_kernel = False
-    fb = batch()
+    with_kernel, plain = CpuKernelBackend(POOL, HQ), TorchSdpaBackend(POOL, HQ)
+    fb = replace(batch(), attn=with_kernel.prepare_metadata(batch()))
     got = with_kernel.forward(0, q, k, v, fb, 0.125)
-    picked, rows, table, mask, shared = fb.short_extends
-    assert picked == [0, 1, 4] and rows.numel() == 5 + 1 + 9 and shared == 88
-    torch.testing.assert_close(got, plain.forward(0, q, k, v, batch(), 0.125), rtol=1e-5, atol=1e-5)
+    short = fb.attn.short_extends
+    assert short.picked == (0, 1, 4) and short.rows.numel() == 5 + 1 + 9 and short.shared_prefix == 88
+    want = plain.forward(0, q, k, v, replace(batch(), attn=plain.prepare_metadata(batch())), 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

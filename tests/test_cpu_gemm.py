@@ -23,13 +23,14 @@ AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 @pytest.fixture(params=["kiln", "onednn"])
-def layout(request, monkeypatch):
-    """Which packed layout prepack() picks: Kiln's blocked one (where the CPU has AVX2) or oneDNN's."""
+def layout(request):
+    """Which packed layout prepack() picks, by --cpu-gemm: Kiln's blocked one (where the CPU has AVX2) or
+    oneDNN's. The mode is module-wide, so it goes back to the default after the test."""
     if request.param == "kiln" and cpu_gemm.blocked_kernel() is None:
         pytest.skip("Kiln's CPU kernel needs AVX2 and FMA")
-    if request.param == "onednn":
-        monkeypatch.setattr(cpu_gemm, "blocked_kernel", lambda: None)
-    return request.param
+    cpu_gemm.set_cpu_gemm(request.param)
+    yield request.param
+    cpu_gemm.set_cpu_gemm("auto")
 
 
 def is_packed(w: torch.Tensor) -> bool:
@@ -109,7 +110,8 @@ def test_only_float32_on_cpu_is_packed():
 @pytest.mark.parametrize("kind", ["tiny_llama", "tiny_qwen3"])  # untied and tied lm head
 def test_model_weights_packed_at_load(request, kind, prepack, layout):
     cfg = load_model_config(request.getfixturevalue(kind))
-    model = load_model(cfg, torch.float32, "cpu", 128, prepack=prepack)
+    loaded = load_model(cfg, torch.float32, "cpu", 128, prepack=prepack)
+    model = loaded.model
     layer = model.model.layers[0]
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     assert all(is_packed(m.weight) == prepack for m in linears)
@@ -121,7 +123,7 @@ def test_model_weights_packed_at_load(request, kind, prepack, layout):
     else:  # swapped in place
         assert head.packed_weight is None and is_packed(head.weight) == prepack
     if prepack:
-        assert model.prepacked_weights == 4 * cfg.num_layers + 1
+        assert loaded.prepacked_weights == 4 * cfg.num_layers + 1
         packed_head = head.packed_weight if head.tied else head.weight
         assert packed_head.nbytes == cfg.vocab_size * cfg.hidden_size * 4
 

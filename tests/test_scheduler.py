@@ -319,8 +319,8 @@ def test_retraction_under_a_tiny_pool_keeps_every_request(ps: int, radix: bool) 
     prompts = [prompt(10 + k, k) for k in range(8)]
     rids = [add(s, p, max_new=64) for p in prompts]
     outs = drive(s)
-    assert s.stats["retracted"] > 0
-    assert sum(final(outs[r]).num_retractions for r in rids) == s.stats["retracted"]
+    assert s.make_stats().retracted > 0
+    assert sum(final(outs[r]).num_retractions for r in rids) == s.make_stats().retracted
     for rid, p in zip(rids, prompts):
         assert final(outs[rid]).finish_reason == {"type": "length", "length": 64}
         assert ids(outs[rid]) == expected(p, 64)
@@ -355,7 +355,7 @@ def test_abort_all_frees_everything(radix: bool) -> None:
     drive(s, outs)
     for rid in rids:
         assert final(outs[rid]).finish_reason["type"] == "abort"
-    assert s.stats["aborted"] == len(rids)
+    assert s.make_stats().aborted == len(rids)
 
 
 def test_abort_one_request_leaves_the_others() -> None:

@@ -1,4 +1,5 @@
-"""What one forward pass needs to know about its batch: token positions, KV slots, attention layout."""
+"""What one forward pass needs to know about its batch: token positions, KV slots, and the attention metadata
+the attention backend works out once per step before the model runs."""
 
 from __future__ import annotations
 
@@ -29,7 +30,47 @@ class ForwardMode(Enum):
     DECODE = "decode"  # one new token per request
 
 
-@dataclass
+@dataclass(frozen=True)
+class DistinctSlots:
+    """A decode batch's distinct KV slots, for one SDPA call over them all: requests that share a prefix read its
+    rows once instead of once each."""
+
+    slots: torch.Tensor  # [U] int64, ascending
+    mask: torch.Tensor  # [1, 1, B * group, U] bool: which slots each (request, query head of a group) reads
+
+
+@dataclass(frozen=True)
+class ShortExtends:
+    """Short extends on cached prefixes run through the CPU decode kernel as decode rows: one row per new token,
+    holding the slots it attends to (its prefix, then its own extend up to itself)."""
+
+    picked: tuple[int, ...]  # their indices in the batch
+    rows: torch.Tensor  # [R] int64: their query rows
+    table: torch.Tensor  # [R, L] int64 KV slots per row, padded with slot 0
+    mask: torch.Tensor  # [R, L] bool: the causal validity of each row's slots
+    shared_prefix: int  # the table's leading columns every row shares, in whole tiles of the kernel
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What every layer's attention reads about the batch. The attention backend builds it once per step
+    (prepare_metadata) before graphs or the model run, so that no layer works it out again and captured steps
+    can be given a static one (graph_metadata). Fields a backend does not use keep their defaults."""
+
+    # DECODE: how many leading KV-table columns every request shares, rounded down to the CPU kernel's tile (0:
+    # none); a one-element tensor inside a compiled CPU step, where it is an input that changes from step to step
+    shared_prefix: int | torch.Tensor = 0
+    # DECODE on torch SDPA: the batch's distinct slots when one call over them is cheaper than a gather per
+    # request (None: gather each request's rows)
+    distinct: DistinctSlots | None = None
+    # DECODE on torch SDPA: at least half of the batch's KV entries are slots another request also reads; a
+    # captured step that gathers each request's rows loses to the eager distinct-slot call there
+    mostly_shared: bool = False
+    # EXTEND on the CPU kernel: the batch's short extends on cached prefixes (None: there are none)
+    short_extends: ShortExtends | None = None
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64
@@ -43,17 +84,12 @@ class ForwardBatch:
     # DECODE: [B, L] slots of every sequence, padded with slot 0, and the [B, 1, 1, L] validity mask
     kv_table: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
-    # DECODE: the batch's distinct KV slots and a [1, 1, B * group, U] mask, or False when not worth it;
-    # worked out by the attention backend at the first layer and reused by the others
-    shared_kv: tuple[torch.Tensor, torch.Tensor] | bool | None = None
-    # DECODE on the CPU kernel: how many leading table columns every request shares (see attention.common_prefix);
-    # a one-element tensor in a compiled step
-    shared_prefix: int | torch.Tensor | None = None
-    # EXTEND on the CPU kernel: short extends on cached prefixes as decode rows (see attention._short_extends)
-    short_extends: tuple | bool | None = None
+    # set by the model runner (AttentionBackend.prepare_metadata) once the batch is on its device
+    attn: AttentionMetadata | None = None
 
     def to(self, device) -> ForwardBatch:
-        """The batch with its tensors on `device` (the scheduler builds them on the host)."""
+        """The batch with its tensors on `device` (the scheduler builds them on the host). Attention metadata is
+        built on the device afterwards, so none is carried over."""
 
         def move(t):
             return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
@@ -67,6 +103,7 @@ class ForwardBatch:
             seq_slots=[move(t) for t in self.seq_slots],
             kv_table=move(self.kv_table),
             kv_mask=move(self.kv_mask),
+            attn=None,
         )
 
     @property

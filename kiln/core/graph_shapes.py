@@ -7,32 +7,23 @@ from bisect import bisect_left
 
 # a prefill that would pad by more than this factor to reach its bucket runs eagerly
 MAX_PREFILL_PADDING_FACTOR = 2.0
-# the CPU default for the largest captured decode batch: none. Every captured shape is a ~35-40 s compile at the
-# first start (~5 s from the cache after), which is most of a small model's startup; the compiled steps measured
-# 1.25x of eager at batch 1, 0.99x at 8 and 1.16x at 32 with the GGUF blocks and Kiln's kernels (docs/benchmarks.md,
-# run 10): --cuda-graph-max-bs 1 (what benchmarks/compare.py runs) or 8 turns them on
+# the CPU default for the largest captured decode batch: none. Every captured shape is a compile at the first
+# start (loaded from the cache after), which is most of a small model's startup, while compiled steps gain little
+# over eager with Kiln's kernels (docs/benchmarks.md has the figures): --cuda-graph-max-bs 1 (what
+# benchmarks/compare.py runs) or 8 turns them on
 CPU_GRAPH_MAX_BS = 0
-# the CPU default for prefill shapes: none. Each token count is a 5-10 s compile at startup, SGLang's list up to
-# the CPU chunk (2048) has 41, and only long prefills gain (docs/benchmarks.md); --cuda-graph-max-bs-prefill
-# or --cuda-graph-bs-prefill turn them on
+# the CPU default for prefill shapes: none. Each token count is a compile at startup, SGLang's list up to the CPU
+# chunk (2048) has 41 of them, and only long prefills gain (docs/benchmarks.md); --cuda-graph-max-bs-prefill or
+# --cuda-graph-bs-prefill turn them on
 CPU_PREFILL_GRAPH_MAX_TOKENS = 0
 # CUDA decode graphs gather every request's KV over a static table width; longer sequences run eagerly. The
 # gathered K and V take bs x width x kv heads x head dim x 2 x dtype bytes per layer inside the graph pool.
 CUDA_GRAPH_KV_WIDTH = 2048
 
 
-def decode_graph_batch_sizes(max_bs: int, speculative: bool = False) -> list[int]:
-    """SGLang's decode lists, truncated to max_bs, with max_bs itself appended when missing."""
-    if speculative:
-        sizes = [
-            *range(1, 9),
-            *range(10, 33, 2),
-            *range(40, 65, 4),
-            *range(72, 257, 8),
-            *range(272, 4097, 16),
-        ]
-    else:
-        sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, 4097, 32)]
+def decode_graph_batch_sizes(max_bs: int) -> list[int]:
+    """SGLang's decode list, truncated to max_bs, with max_bs itself appended when missing."""
+    sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, 4097, 32)]
     sizes = [s for s in sizes if s <= max_bs]
     if max_bs >= 1 and (not sizes or sizes[-1] != max_bs):
         sizes.append(max_bs)

@@ -2,10 +2,16 @@
 
 A float32 linear weight is packed once, at load, into a layout a CPU matmul reads faster than the plain one:
 Kiln's own blocked layout ([N / 16, K, 16], csrc/blocked_gemm.cpp, built with torch's C++ extension loader on
-first use) where the CPU has AVX2 and FMA, else oneDNN's blocked layout. Measured on this project's CPUs
-(docs/benchmarks.md): Kiln's kernel reads the weights at close to the memory bandwidth and runs 1.5-1.6x faster
-than oneDNN's prepacked matmul at 1-8 rows and 1.1x at 32-128 (0.98x at 512); oneDNN's itself runs 1.2-1.8x
-faster than `F.linear` at decode batch sizes. `KILN_CPU_GEMM=onednn` keeps oneDNN's layout.
+first use) where the CPU has AVX2 and FMA, else oneDNN's blocked layout. Kiln's kernel streams each block of
+weights once per call whatever the batch size, so decode, which is bound by reading the weights, runs at close to
+the memory bandwidth; oneDNN's layout is the fallback because it still beats `F.linear`'s plain one at decode
+batch sizes (figures in docs/benchmarks.md).
+
+Which layout a load packs into is the `--cpu-gemm` mode, set once per model load with `set_cpu_gemm()`: a
+module-wide setting rather than an argument because the layers' `prepack_weights()` reach it from deep inside the
+model. A packed weight carries its layout, so models loaded under different modes in one process each keep their
+matmuls; the other kernels (RMSNorm, decode attention) follow the mode in force, since `--cpu-gemm onednn` means
+none of Kiln's kernels is built or run.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.layers.quant_rows import BYTES_PER_BLOCK, QUANT_BLOCK, GGUFRows
-from kiln.platform import cpu_kernel_mode
+from kiln.platform import check_cpu_gemm, cpu_runs_kiln_kernel, gguf_blocks_expected
 
 logger = logging.getLogger("kiln")
 
@@ -33,13 +39,27 @@ _QUANT_BY_CHUNK = {BLOCK * BYTES_PER_BLOCK[q]: ops[1] for q, ops in _QUANT_OPS.i
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("blocked_gemm.cpp", "cpu_ops.cpp")]
 
 
+_mode = "auto"  # --cpu-gemm of the model being loaded (or last loaded); set_cpu_gemm() changes it
+
+
+def set_cpu_gemm(mode: str) -> None:
+    """Set --cpu-gemm for the weights packed from now on (one model load). A ValueError names the flag and the
+    valid values for an unknown mode, and refuses "kiln" where the CPU cannot run Kiln's kernel."""
+    global _mode
+    _mode = check_cpu_gemm(mode)
+
+
+def cpu_gemm_mode() -> str:
+    """The --cpu-gemm mode weights are packed under: one of kiln.platform.CPU_GEMM_MODES."""
+    return _mode
+
+
 @functools.cache
 def blocked_kernel():
-    """Kiln's blocked matmul (built on first use, then loaded from torch's extension cache), or None where the
-    CPU lacks AVX2/FMA, KILN_CPU_GEMM=onednn asks for oneDNN, or the build fails (a warning says why)."""
-    if cpu_kernel_mode() == "onednn":
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    """Kiln's CPU kernels (built on first use, then loaded from torch's extension cache), or None where the CPU
+    lacks AVX2/FMA or the build fails (a warning says why). Cached whatever the mode: which loads use the kernel
+    is kiln_kernel()'s question."""
+    if not cpu_runs_kiln_kernel():
         return None
     t0 = time.perf_counter()
     try:
@@ -51,6 +71,20 @@ def blocked_kernel():
         f"Kiln's CPU matmul kernel loaded in {time.perf_counter() - t0:.1f} s (built on the first start)."
     )
     return ext
+
+
+def kiln_kernel():
+    """Kiln's CPU kernels under the current mode: None with --cpu-gemm onednn (never built then) or where they
+    are unavailable. --cpu-gemm kiln asked for them by name, so a failed build is an error rather than a fallback."""
+    if _mode == "onednn":
+        return None
+    kernel = blocked_kernel()
+    if kernel is None and _mode == "kiln":
+        raise RuntimeError(
+            "--cpu-gemm kiln: Kiln's CPU kernel could not be built (the warning above says why). Use --cpu-gemm "
+            "auto to fall back to oneDNN's layout, or --cpu-gemm onednn."
+        )
+    return kernel
 
 
 def load_extension(name: str, sources: list[str], build_directory: str | None = None):
@@ -83,23 +117,23 @@ def eager_cpu_kernel(x: torch.Tensor):
     whose compiler fuses the ATen ops itself, or no kernel here)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
         return None
-    return blocked_kernel()
+    return kiln_kernel()
 
 
 def packed_layout_name() -> str:
-    return "Kiln's blocked" if blocked_kernel() is not None else "oneDNN's"
+    return "Kiln's blocked" if kiln_kernel() is not None else "oneDNN's"
 
 
 def prepack(weight: torch.Tensor, gguf_rows: GGUFRows | None = None) -> torch.Tensor | None:
     """The weight in a packed layout, or None where none applies (non-CPU, non-fp32): with the raw GGUF blocks
-    the weight was dequantized from, Kiln's quantized blocks (uint8 [N / 16, K / 32, 16 x bytes per block]);
-    else Kiln's float32 [N / 16, K, 16] blocks when the kernel is there and N divides into blocks; else
-    oneDNN's."""
+    the weight was dequantized from and a mode that keeps them, Kiln's quantized blocks (uint8 [N / 16, K / 32,
+    16 x bytes per block]); else Kiln's float32 [N / 16, K, 16] blocks when the mode and CPU give the kernel and N
+    divides into blocks; else oneDNN's."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    kernel = blocked_kernel()
+    kernel = kiln_kernel()
     if kernel is not None and weight.shape[0] % BLOCK == 0:
-        if gguf_rows is not None and weight.shape[1] % QUANT_BLOCK == 0 and cpu_kernel_mode() == "kiln":
+        if gguf_rows is not None and weight.shape[1] % QUANT_BLOCK == 0 and gguf_blocks_expected(_mode):
             return getattr(kernel, _QUANT_OPS[gguf_rows.qtype][0])(gguf_rows.rows)
         return kernel.pack(weight.detach())
     if not torch.backends.mkldnn.is_available():
@@ -128,7 +162,8 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 # The prepacked matmuls as opaque ops, so a compiled step calls them as they are instead of decomposing them into
 # an `mm` that cannot read the packed layout. Registered with the dispatcher directly: `torch.library.custom_op`
-# wraps it in autograd machinery that cost ~62 us a call from compiled code (this: ~13 us).
+# wraps it in autograd machinery whose per-call cost from compiled code is several times the dispatcher's, paid on
+# every matmul of every step (docs/benchmarks.md).
 _lib = torch.library.Library("kiln", "DEF")
 _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.impl("packed_linear", _onednn, "CompositeExplicitAutograd")
@@ -172,7 +207,7 @@ def _(q, k_cache, v_cache, table, mask, scale: float, shared) -> torch.Tensor:
 def has_cpu_decode_attention(k_cache: torch.Tensor) -> bool:
     """Whether Kiln's decode attention serves this KV pool: float32 on the CPU, with the kernel built. Asked once,
     eagerly: a compiled step must not trace the kernel's loading."""
-    return k_cache.device.type == "cpu" and k_cache.dtype == torch.float32 and blocked_kernel() is not None
+    return k_cache.device.type == "cpu" and k_cache.dtype == torch.float32 and kiln_kernel() is not None
 
 
 def cpu_decode_attention():

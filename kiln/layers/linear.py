@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.distributed import all_reduce, divide, tp_rank, tp_size
+from kiln.distributed import all_reduce, divide, kv_heads_per_rank, tp_rank, tp_size
 from kiln.layers.cpu_gemm import linear, prepack
 from kiln.layers.quant_rows import keep_rows, pop_rows
 
@@ -76,7 +76,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp = tp_size()
         self.head_dim = head_dim
         self.q_heads = divide(num_heads, tp)
-        self.kv_heads = max(1, num_kv_heads // tp)
+        self.kv_heads = kv_heads_per_rank(num_kv_heads, tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
         total = (self.q_heads + 2 * self.kv_heads) * head_dim * tp
         super().__init__(hidden, total, bias)

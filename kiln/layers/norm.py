@@ -18,7 +18,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
             kernel = eager_cpu_kernel(x)
-            if kernel is not None:  # ~5 us a call where F.rms_norm's chain of ops took ~60 us
+            # one call instead of F.rms_norm's chain of ATen ops, whose per-op overhead outweighs the arithmetic
+            # at decode sizes (docs/benchmarks.md)
+            if kernel is not None:
                 return kernel.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

@@ -18,7 +18,7 @@ QUANT_BLOCK = 32  # weights per GGML block, along the input dimension
 BYTES_PER_BLOCK = {"Q4_1": 20, "Q8_0": 34}  # fp16 scale (+ fp16 min) + the quants
 
 
-@dataclass
+@dataclass(frozen=True)
 class GGUFRows:
     """Raw GGML blocks of a matrix: rows are output features, each K / 32 blocks."""
 

@@ -5,8 +5,29 @@ of two slices, a negation and a concatenation per call."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+# rope types whose cos/sin table is fixed at startup; dynamic and longrope change with the sequence length, which
+# the one table built at startup cannot follow
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def check_choice(field: str, value: Any, accepted: tuple[str, ...]) -> None:
+    """Refuses a model config value Kiln does not implement, naming the field: running a near miss would give
+    plausible but wrong text."""
+    if value not in accepted:
+        raise ValueError(
+            f"model config {field} {value!r} is not implemented by Kiln (accepted: {', '.join(accepted)})"
+        )
+
+
+def check_rope_type(hf_config: Any) -> None:
+    """Refuses a rope type whose table is not static; called when a model is built, before weights load."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    check_choice("rope_type (rope_parameters / rope_scaling)", params.get("rope_type", "default"), ROPE_TYPES)
 
 
 def _inv_freq(hf_config) -> tuple[torch.Tensor, float]:

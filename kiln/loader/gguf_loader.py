@@ -283,12 +283,6 @@ def unpermute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     return weights.reshape(n_head, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
 
 
-def permute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """The converter's HF->GGUF q/k row permutation (the inverse of `unpermute_rows`)."""
-    dim = weights.shape[0] // n_head // 2
-    return weights.reshape(n_head, 2, dim, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
-
-
 def _dequantize(data: np.ndarray, info: _TensorInfo) -> np.ndarray:
     raw = data[info.offset : info.offset + info.nbytes]
     rows = raw.reshape(*info.shape[:-1], -1) if len(info.shape) > 1 else raw

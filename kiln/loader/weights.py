@@ -9,6 +9,7 @@ import glob
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -62,6 +63,15 @@ def _reporting(weights, on_progress, every: float = 1.0):
             last = time.perf_counter()
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded model and what loading it took: the model itself carries no record of its load."""
+
+    model: torch.nn.Module
+    seconds: float  # building, reading the checkpoint and prepacking
+    prepacked_weights: int  # linear weights packed into a CPU layout (0: none, or prepack off)
+
+
 def load_model(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -69,7 +79,7 @@ def load_model(
     max_positions: int,
     on_progress=None,
     prepack: bool = False,
-) -> torch.nn.Module:
+) -> LoadedModel:
     """Build the model on meta, materialize it and load every weight; checks nothing was missed."""
     t0 = time.perf_counter()
     cls = model_class(cfg.architecture)
@@ -89,12 +99,12 @@ def load_model(
             f"checkpoint {cfg.model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
         )
     model.init_buffers(max_positions, device)
+    prepacked = 0
     if prepack:
         from kiln.layers.cpu_gemm import prepack_module_weights
 
-        model.prepacked_weights = prepack_module_weights(model)
+        prepacked = prepack_module_weights(model)
     for p in model.parameters():  # the GGUF blocks no layer packed (an untied embedding, GPU weights)
         pop_rows(p)
     model.eval()
-    model.load_seconds = time.perf_counter() - t0
-    return model
+    return LoadedModel(model, time.perf_counter() - t0, prepacked)

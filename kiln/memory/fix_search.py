@@ -1,23 +1,66 @@
 """When the ledger does not fit: the smallest change of flags that does, each candidate verified by recomputing
-the ledger with it."""
+the ledger with it, and offered only when `kiln serve` accepts its flags today."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from kiln.config import ServerArgs
+from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
 from kiln.core.units import gib
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.memory.model_shapes import dtype_bytes, param_counts, weight_bytes
+from kiln.memory.model_shapes import param_counts, weight_bytes
 
 Core = Callable[[LedgerInputs], Ledger]
-Candidate = tuple[dict, LedgerInputs, str]
 
 
-def _fits(core: Core, inp: LedgerInputs) -> bool:
+@dataclass(frozen=True)
+class Candidate:
+    flags: dict[str, str]  # serve flags; "" for a flag without a value
+    inputs: LedgerInputs  # the ledger's inputs with the change, verified to fit
+    text: str  # the change in words, with the numbers verified
+
+
+def flags_argv(flags: dict[str, str]) -> list[str]:
+    """Serve flags as command-line words: {"--disable-cuda-graph": "", "--tp-size": "2"} -> [flag, flag, "2"]."""
+    argv: list[str] = []
+    for flag, value in flags.items():
+        argv += [flag] if value == "" else [flag, value]
+    return argv
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """Reports a flag it refuses as a ValueError instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ValueError(message)
+
+
+@functools.cache
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = _RefusingParser(prog="kiln serve", add_help=False, exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def serve_accepts(flags: dict[str, str]) -> bool:
+    """Whether `kiln serve` takes these flags today: its parser and ServerArgs' checks accept them and it runs what
+    they ask for. A fix serve would refuse (an fp8 KV cache, more tensor-parallel ranks) is searched for but not
+    offered, so the search offers it again by itself once serve accepts it."""
     try:
-        return core(inp).fits
+        args = ServerArgs.from_cli(_serve_parser().parse_args(flags_argv(flags)))
+    except (ValueError, argparse.ArgumentError):
+        return False
+    return args.serve_refusal() is None
+
+
+def _fits(core: Core, inputs: LedgerInputs) -> bool:
+    try:
+        return core(inputs).fits
     except ValueError:
         return False
 
@@ -32,135 +75,188 @@ def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
     return lo
 
 
-def _mfs_scan(inp: LedgerInputs, core: Core, step: int) -> int | None:
+# mem_fraction_static in thousandths; the fraction must stay in (0, 1)
+_PER_MILLE = 1000
+
+
+def _fraction_fits(inputs: LedgerInputs, core: Core, per_mille: int) -> bool:
+    fraction = replace(inputs, mem_fraction_static=per_mille / _PER_MILLE)
+    return 0 < per_mille < _PER_MILLE and _fits(core, fraction)
+
+
+def _fraction_scan(inputs: LedgerInputs, core: Core, step: int) -> int | None:
     """The passing mem_fraction_static (in thousandths) closest to the current one in one direction."""
-    cur = round(inp.mem_fraction_static * 1000)
-    ok = lambda m: 0 < m <= 1000 and _fits(core, replace(inp, mem_fraction_static=m / 1000))  # noqa: E731
-    coarse = next(
-        (m for m in range(cur + 10 * step, cur + 1000 * step, 10 * step) if 0 < m <= 1000 and ok(m)), None
-    )
+    current = round(inputs.mem_fraction_static * _PER_MILLE)
+    coarse_steps = range(current + 10 * step, current + _PER_MILLE * step, 10 * step)
+    coarse = next((m for m in coarse_steps if _fraction_fits(inputs, core, m)), None)
     if coarse is None:
         return None
-    return next(m for m in range(coarse - 9 * step, coarse + step, step) if m == coarse or ok(m))
+    return next(
+        m
+        for m in range(coarse - 9 * step, coarse + step, step)
+        if m == coarse or _fraction_fits(inputs, core, m)
+    )
 
 
-def _mfs_candidate(inp: LedgerInputs, core: Core) -> Candidate | None:
-    cur = round(inp.mem_fraction_static * 1000)
-    found = [m for m in (_mfs_scan(inp, core, -1), _mfs_scan(inp, core, 1)) if m is not None]
+def _fraction_candidate(inputs: LedgerInputs, core: Core) -> Candidate | None:
+    current = round(inputs.mem_fraction_static * _PER_MILLE)
+    found = [m for m in (_fraction_scan(inputs, core, -1), _fraction_scan(inputs, core, 1)) if m is not None]
     if not found:
         return None
-    best = min(found, key=lambda m: abs(m - cur))
-    value = f"{best / 1000:g}"
+    best = min(found, key=lambda m: abs(m - current))
+    value = f"{best / _PER_MILLE:g}"
     text = f"--mem-fraction-static <= {value}"
     if (
-        best > cur
+        best > current
     ):  # raising it: also say how far it can go while the headroom still covers capture and prefill
-        top = _largest(best, 1000, lambda m: _fits(core, replace(inp, mem_fraction_static=m / 1000)))
-        text = f"--mem-fraction-static >= {value} (up to {top / 1000:g} still fits)"
-    return {"--mem-fraction-static": value}, replace(inp, mem_fraction_static=best / 1000), text
+        top = _largest(best, _PER_MILLE - 1, lambda m: _fraction_fits(inputs, core, m))
+        text = f"--mem-fraction-static >= {value} (up to {top / _PER_MILLE:g} still fits)"
+    return Candidate(
+        {"--mem-fraction-static": value}, replace(inputs, mem_fraction_static=best / _PER_MILLE), text
+    )
 
 
-def _device_candidates(inp: LedgerInputs, ledger: Ledger, core: Core) -> Iterator[Candidate]:
-    moment, cuda = ledger.failure.moment, inp.device.startswith("cuda")
-    if inp.mem_fraction_static is not None and moment != "load_weights":
-        found = _mfs_candidate(inp, core)
+def _limit_candidates(inputs: LedgerInputs, moment: str, core: Core) -> Iterator[Candidate]:
+    """Lower --max-total-tokens, --max-running-requests or --context-length, when given, as far as needed."""
+    limits = (
+        ("max_total_tokens", "--max-total-tokens", moment != "load_weights", "--max-total-tokens <= {}"),
+        (
+            "max_running_requests",
+            "--max-running-requests",
+            moment in ("kv_allocation", "first_full_prefill"),
+            "--max-running-requests {}",
+        ),
+        ("context_length", "--context-length", moment == "kv_allocation", "--context-length {}"),
+    )
+    for field, flag, applies, words in limits:
+        given = getattr(inputs, field)
+        if not given or not applies:
+            continue
+        largest = _largest(1, given - 1, lambda n, field=field: _fits(core, replace(inputs, **{field: n})))
+        if largest:
+            yield Candidate({flag: str(largest)}, replace(inputs, **{field: largest}), words.format(largest))
+
+
+def _chunk_candidate(inputs: LedgerInputs, ledger: Ledger, core: Core) -> Iterator[Candidate]:
+    """The largest power-of-two prefill chunk below the current one that fits (not below 128 tokens)."""
+    chunk = ledger.chunked_prefill_size if ledger.chunked_prefill_size > 0 else ledger.max_prefill_tokens
+    size = 1 << max(0, math.ceil(math.log2(chunk)) - 1)
+    while size >= 128:
+        trial = replace(inputs, chunked_prefill_size=size)
+        if _fits(core, trial):
+            yield Candidate({"--chunked-prefill-size": str(size)}, trial, f"--chunked-prefill-size {size}")
+            return
+        size //= 2
+
+
+def _cuda_candidates(inputs: LedgerInputs, moment: str, core: Core) -> Iterator[Candidate]:
+    """No graphs, an fp8 KV cache, more ranks: what a CUDA deployment can trade for memory."""
+    if not inputs.disable_cuda_graph and moment in ("graph_capture", "kv_allocation"):
+        trial = replace(inputs, disable_cuda_graph=True)
+        if _fits(core, trial):
+            yield Candidate({"--disable-cuda-graph": ""}, trial, "--disable-cuda-graph")
+    kv_dtype = kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype)
+    if dtype_bytes(kv_dtype) > 1 and moment == "kv_allocation":
+        trial = replace(inputs, kv_cache_dtype="fp8_e4m3")
+        if _fits(core, trial):
+            text = "--kv-cache-dtype fp8_e4m3 (half the KV bytes)"
+            yield Candidate({"--kv-cache-dtype": "fp8_e4m3"}, trial, text)
+
+
+def _dtype_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
+    if dtype_bytes(inputs.dtype) > 2:
+        trial = replace(inputs, dtype="bfloat16")
+        if _fits(core, trial):
+            weights = weight_bytes(inputs.hf_config, inputs.tp_size, 2)
+            yield Candidate(
+                {"--dtype": "bfloat16"}, trial, f"--dtype bfloat16 (weights {gib(weights)} per rank)"
+            )
+
+
+def _tp_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
+    """The fewest tensor-parallel ranks (a power of two above the current count) the model fits on."""
+    for tp in (2, 4, 8, 16):
+        trial = replace(inputs, tp_size=tp)
+        if tp > inputs.tp_size and _fits(core, trial):
+            weights = weight_bytes(inputs.hf_config, tp, dtype_bytes(inputs.dtype))
+            yield Candidate(
+                {"--tp-size": str(tp)}, trial, f"--tp-size {tp} (weights {gib(weights)} per rank)"
+            )
+            return
+
+
+def _device_candidates(inputs: LedgerInputs, ledger: Ledger, core: Core) -> Iterator[Candidate]:
+    moment, cuda = ledger.failure.moment, inputs.device.startswith("cuda")
+    if inputs.mem_fraction_static is not None and moment != "load_weights":
+        found = _fraction_candidate(inputs, core)
         if found:
             yield found
-    if inp.max_total_tokens and moment != "load_weights":
-        n = _largest(1, inp.max_total_tokens - 1, lambda n: _fits(core, replace(inp, max_total_tokens=n)))
-        if n:
-            yield (
-                {"--max-total-tokens": str(n)},
-                replace(inp, max_total_tokens=n),
-                f"--max-total-tokens <= {n}",
-            )
-    if inp.max_running_requests and moment in ("kv_allocation", "first_full_prefill"):
-        n = _largest(
-            1, inp.max_running_requests - 1, lambda n: _fits(core, replace(inp, max_running_requests=n))
-        )
-        if n:
-            yield (
-                {"--max-running-requests": str(n)},
-                replace(inp, max_running_requests=n),
-                f"--max-running-requests {n}",
-            )
-    if inp.context_length and moment == "kv_allocation":
-        n = _largest(1, inp.context_length - 1, lambda n: _fits(core, replace(inp, context_length=n)))
-        if n:
-            yield {"--context-length": str(n)}, replace(inp, context_length=n), f"--context-length {n}"
+    yield from _limit_candidates(inputs, moment, core)
     if moment != "load_weights":
-        chunk = ledger.chunked_prefill_size if ledger.chunked_prefill_size > 0 else ledger.max_prefill_tokens
-        size = 1 << max(0, math.ceil(math.log2(chunk)) - 1)
-        while size >= 128:
-            trial = replace(inp, chunked_prefill_size=size)
-            if _fits(core, trial):
-                yield {"--chunked-prefill-size": str(size)}, trial, f"--chunked-prefill-size {size}"
-                break
-            size //= 2
-    if cuda and not inp.disable_cuda_graph and moment in ("graph_capture", "kv_allocation"):
-        trial = replace(inp, disable_cuda_graph=True)
-        if _fits(core, trial):
-            yield {"--disable-cuda-graph": ""}, trial, "--disable-cuda-graph"
-    if cuda and inp.kv_cache_dtype in (None, "auto") and moment == "kv_allocation":
-        trial = replace(inp, kv_cache_dtype="fp8_e4m3")
-        if _fits(core, trial):
-            yield {"--kv-cache-dtype": "fp8_e4m3"}, trial, "--kv-cache-dtype fp8_e4m3 (half the KV bytes)"
-    if dtype_bytes(inp.dtype) > 2:
-        trial = replace(inp, dtype="bfloat16")
-        if _fits(core, trial):
-            w = weight_bytes(inp.hf_config, inp.tp_size, 2)
-            yield {"--dtype": "bfloat16"}, trial, f"--dtype bfloat16 (weights {gib(w)} per rank)"
+        yield from _chunk_candidate(inputs, ledger, core)
     if cuda:
-        for tp in (2, 4, 8, 16):
-            trial = replace(inp, tp_size=tp)
-            if tp > inp.tp_size and _fits(core, trial):
-                w = weight_bytes(inp.hf_config, tp, dtype_bytes(inp.dtype))
-                yield {"--tp-size": str(tp)}, trial, f"--tp-size {tp} (weights {gib(w)} per rank)"
-                break
+        yield from _cuda_candidates(inputs, moment, core)
+    yield from _dtype_candidate(inputs, core)
+    if cuda:
+        yield from _tp_candidate(inputs, core)
 
 
-def _host_candidates(inp: LedgerInputs, ledger: Ledger, core: Core) -> Iterator[Candidate]:
+def _host_candidates(inputs: LedgerInputs, ledger: Ledger, core: Core) -> Iterator[Candidate]:
     budget = ledger.line("host budget").bytes
     pool = ledger.line("kv pool").bytes
     if budget <= 0:
         return
-    per_rank = budget / inp.tp_size
+    per_rank = budget / inputs.tp_size
     size = math.floor(per_rank / 1e8) / 10
-    usable = f"{budget / 1e9:.1f} GB usable / {inp.tp_size} ranks"
-    trial = replace(inp, hicache_size_gb=size)
+    usable = f"{budget / 1e9:.1f} GB usable / {inputs.tp_size} ranks"
+    trial = replace(inputs, hicache_size_gb=size)
     if size > 0 and _fits(core, trial):
-        yield {"--hicache-size": f"{size:g}"}, trial, f"--hicache-size <= {size:g} (GB per rank: {usable})"
+        yield Candidate(
+            {"--hicache-size": f"{size:g}"}, trial, f"--hicache-size <= {size:g} (GB per rank: {usable})"
+        )
     ratio = math.floor(per_rank / pool * 100) / 100 if pool else 0
-    trial = replace(inp, hicache_size_gb=0.0, hicache_ratio=ratio)
+    trial = replace(inputs, hicache_size_gb=0.0, hicache_ratio=ratio)
     if ratio > 0 and _fits(core, trial):
-        yield (
+        yield Candidate(
             {"--hicache-ratio": f"{ratio:g}", "--hicache-size": "0"},
             trial,
             f"--hicache-ratio <= {ratio:g} (x KV pool {gib(pool)} per rank)",
         )
 
 
-def find_fix(inp: LedgerInputs, ledger: Ledger, core: Core) -> tuple[str, dict]:
-    """The smallest change (verified by recomputing the ledger) and up to one alternative."""
-    gen = _host_candidates if ledger.failure.moment == "host_memory" else _device_candidates
+def offered_fixes(inputs: LedgerInputs, ledger: Ledger, core: Core) -> list[Candidate]:
+    """The smallest change `kiln serve` accepts (verified by recomputing the ledger) and up to one alternative."""
+    search = _host_candidates if ledger.failure.moment == "host_memory" else _device_candidates
     found: list[Candidate] = []
-    for cand in gen(inp, ledger, core):
-        found.append(cand)
+    for candidate in search(inputs, ledger, core):
+        if serve_accepts(candidate.flags):
+            found.append(candidate)
         if len(found) == 2:
             break
+    return found
+
+
+def find_fix(inputs: LedgerInputs, ledger: Ledger, core: Core) -> tuple[str, dict]:
+    """The fix in words and the first offered one as serve flags (none when no flag fixes it)."""
+    found = offered_fixes(inputs, ledger, core)
     if found:
-        return "use " + ", or ".join(c[2] for c in found), found[0][0]
+        return "use " + ", or ".join(c.text for c in found), found[0].flags
     if ledger.failure.moment == "host_memory":
         return "free system RAM, or run without --enable-hierarchical-cache", {}
+    return _no_fix(inputs, ledger), {}
+
+
+def _no_fix(inputs: LedgerInputs, ledger: Ledger) -> str:
     need = ledger.weight_bytes + ledger.line("runtime overhead").bytes
     where = (
-        "a GPU with more memory or more GPUs" if inp.device.startswith("cuda") else "a machine with more RAM"
+        "a GPU with more memory or more GPUs"
+        if inputs.device.startswith("cuda")
+        else "a machine with more RAM"
     )
-    linear, other = param_counts(inp.hf_config, inp.tp_size)
+    linear, other = param_counts(inputs.hf_config, inputs.tp_size)
     q4 = (linear + other) * 0.5625  # ~4.5 bits per parameter with scales
     return (
         f"no flag fixes this here: the weights alone need {gib(need)} per rank with the runtime and "
-        f"{gib(inp.available_memory_bytes)} is free; use {where}, or a smaller model "
-        f"(a 4-bit quantization of this one is about {gib(q4)} per rank)",
-        {},
+        f"{gib(inputs.available_memory_bytes)} is free; use {where}, or a smaller model "
+        f"(a 4-bit quantization of this one is about {gib(q4)} per rank)"
     )

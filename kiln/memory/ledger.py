@@ -3,90 +3,134 @@
 Nothing here touches a device; `compute_ledger` is pure arithmetic and is what `kiln plan` prints and
 what `kiln serve` checks before allocating. Sizes are bytes; "GiB" in messages is 2^30, the hierarchical
 cache's "GB" is 1e9 (it is given per rank, in GB, like SGLang's `--hicache-size`).
+
+The arithmetic runs in steps: what is resident before the pool (static bytes), what one token of KV costs (the
+cell), the shapes a step runs at, what grows with the running requests (the reserve), the pool sized between
+them, then the lines, the host tier and the first moment of startup that would fail.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from kiln.config import check_mem_fraction_static
+from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
 from kiln.core.graph_shapes import CPU_GRAPH_MAX_BS
 from kiln.core.units import GIB, MIB, gb, gib
 from kiln.memory.fix_search import find_fix
-from kiln.memory.graph_budget import (
-    cuda_defaults,
-    graph_batch_sizes,
-    graph_prefill_tokens,
-    graph_reserve,
-)
+from kiln.memory.graph_budget import cuda_defaults, graph_batch_sizes, graph_prefill_tokens, graph_reserve
 from kiln.memory.ledger_types import Failure, Ledger, LedgerInputs, LedgerLine
-from kiln.memory.model_shapes import (  # noqa: F401 - re-exported: the ledger's public arithmetic
-    _attn_params,
-    _experts,
-    _is_mla,
-    _linear_bytes_per_param,
-    _mlp_params,
-    _moe_layer,
-    _req,
+from kiln.memory.model_shapes import (
+    GgufBlocks,
     context_len_of,
-    dtype_bytes,
     gguf_block_bytes,
-    head_dim,
     kv_bytes_per_token,
     kv_dims,
-    kv_heads_per_rank,
     kv_layers,
     packed_lm_head_bytes,
-    param_counts,
     prefill_activation,
-    resolve_dtype,
+    required,
     text_config,
     weight_bytes,
     weight_inputs,
 )
-from kiln.memory.pool_sizing import resolve_running_requests, size_pool
+from kiln.memory.pool_sizing import PoolRequest, PoolSizing, resolve_running_requests, size_pool
 
-# CPU default prefill chunk: at ~800 tok/s a 2048-token chunk takes ~2.5 s; longer chunks stall running decodes
-# for longer without making prefill faster, and the activations of a 2048-token chunk are small.
+__all__ = ["Ledger", "LedgerInputs", "compute_core", "compute_ledger"]
+
+# CPU default prefill chunk: at CPU prefill speed a chunk this long already holds running decodes back for
+# seconds; longer chunks stall them for longer without making prefill faster, and its activations are small.
 CPU_CHUNKED_PREFILL_SIZE = 2048
 # Interpreter, tokenizer, allocator slack; on CUDA SGLang's 512 MiB + tp/8 GiB of communication buffers.
 RUNTIME_OVERHEAD_BYTES = 512 * MIB
 
 
-# ---------------------------------------------------------------- sizing
-
-
-def compute_ledger(inp: LedgerInputs) -> Ledger:
+def compute_ledger(inputs: LedgerInputs) -> Ledger:
     """The ledger for these inputs; when it does not fit, the failure names the moment and a verified fix."""
-    ledger = compute_core(inp)
+    ledger = compute_core(inputs)
     if ledger.failure is None:
         return ledger
-    fix, flags = find_fix(inp, ledger, compute_core)
+    fix, flags = find_fix(inputs, ledger, compute_core)
     return replace(ledger, failure=replace(ledger.failure, fix=fix, fix_flags=flags))
 
 
-def _validate(inp: LedgerInputs) -> None:
+def compute_core(inputs: LedgerInputs) -> Ledger:
+    """compute_ledger without the fix search."""
+    _validate(inputs)
+    static, cell, shapes = static_bytes(inputs), kv_cell(inputs), step_shapes(inputs)
+    request = PoolRequest(
+        static_bytes=static.total,
+        cell_bytes=cell.total,
+        context=shapes.context,
+        reserve_at=lambda running_requests: reserve_bytes(inputs, shapes, running_requests),
+        sglang_chunk=shapes.graph_chunk,
+    )
+    sizing = size_pool(inputs, request)
+    tokens = sizing.tokens
+    running_requests = (
+        resolve_running_requests(inputs, tokens, shapes.context)
+        if tokens > 0
+        else (inputs.max_running_requests or 1)
+    )
+    reserve = request_reserve(inputs, shapes, running_requests)
+    budget = pool_budget(inputs, static, cell, shapes, reserve, tokens)
+    lines = (
+        weight_lines(inputs, static)
+        + kv_lines(inputs, cell, budget)
+        + reserve_lines(inputs, shapes, reserve, budget)
+    )
+    host_lines, host_failure = host_check(
+        inputs, budget.pool_bytes, inputs.available_memory_bytes - max(budget.headroom, 0)
+    )
+    failure = first_failure(inputs, sizing, static.total, shapes, reserve, budget, host_failure)
+    return Ledger(
+        lines=tuple(lines + host_lines),
+        kv_bytes_per_token=cell.total,
+        weight_bytes=static.total,
+        max_total_num_tokens=tokens,
+        max_running_requests=running_requests,
+        context_len=shapes.context,
+        chunked_prefill_size=shapes.chunk,
+        max_prefill_tokens=inputs.max_prefill_tokens,
+        mem_fraction_static=min(1.0, sizing.mem_fraction_static),
+        mem_fraction_reason=sizing.reason,
+        graph_reserve_bytes=reserve.graph_bytes,
+        graph_batch_sizes=reserve.graph_batch_sizes,
+        graph_prefill_tokens=shapes.prefill_graphs,
+        prefill_activation_bytes=shapes.prefill_bytes,
+        logits_bytes=reserve.logits_bytes,
+        headroom_bytes=budget.headroom,
+        fits=failure is None,
+        failure=failure,
+        device=inputs.device,
+        tp_size=inputs.tp_size,
+    )
+
+
+def _validate(inputs: LedgerInputs) -> None:
+    # ServerArgs checks the fraction already; inputs built directly get the same rule
+    check_mem_fraction_static(inputs.mem_fraction_static)
     checks = [
-        (inp.tp_size >= 1, "--tp-size must be >= 1"),
-        (inp.available_memory_bytes > 0, "available device memory must be > 0"),
+        (inputs.tp_size >= 1, "--tp-size must be >= 1"),
+        (inputs.available_memory_bytes > 0, "available device memory must be > 0"),
+        (inputs.page_size >= 1, "--page-size must be >= 1"),
+        (inputs.max_total_tokens is None or inputs.max_total_tokens >= 1, "--max-total-tokens must be >= 1"),
+        (inputs.context_length is None or inputs.context_length >= 1, "--context-length must be >= 1"),
         (
-            inp.mem_fraction_static is None or 0 < inp.mem_fraction_static <= 1,
-            "--mem-fraction-static must be in (0, 1]",
-        ),
-        (inp.page_size >= 1, "--page-size must be >= 1"),
-        (inp.max_total_tokens is None or inp.max_total_tokens >= 1, "--max-total-tokens must be >= 1"),
-        (inp.context_length is None or inp.context_length >= 1, "--context-length must be >= 1"),
-        (
-            inp.max_running_requests is None or inp.max_running_requests >= 1,
+            inputs.max_running_requests is None or inputs.max_running_requests >= 1,
             "--max-running-requests must be >= 1",
         ),
         (
-            inp.chunked_prefill_size in (None, -1) or inp.chunked_prefill_size >= 1,
+            inputs.chunked_prefill_size in (None, -1) or inputs.chunked_prefill_size >= 1,
             "--chunked-prefill-size must be >= 1 or -1",
         ),
-        (inp.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1"),
-        (inp.cuda_graph_max_bs is None or inp.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs must be >= 1"),
+        (inputs.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1"),
         (
-            inp.hicache_size_gb >= 0 and inp.hicache_ratio > 0,
+            inputs.cuda_graph_max_bs is None or inputs.cuda_graph_max_bs >= 1,
+            "--cuda-graph-max-bs must be >= 1",
+        ),
+        (
+            inputs.hicache_size_gb >= 0 and inputs.hicache_ratio > 0,
             "--hicache-size must be >= 0 and --hicache-ratio > 0",
         ),
     ]
@@ -95,37 +139,278 @@ def _validate(inp: LedgerInputs) -> None:
             raise ValueError(message)
 
 
-def _host_check(inp: LedgerInputs, pool: int, device_used: int) -> tuple[list[LedgerLine], str | None]:
+# ---------------------------------------------------------------- the steps
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """What is resident before the KV pool, per rank: the weights as served and the copies made of them."""
+
+    weights: int  # the model's weights (GGUF matrices kept in their blocks counted as stored)
+    packed_head: int  # the CPU prepacked copy of a tied lm head
+    draft_weights: int  # the speculative draft model's weights
+    blocks: GgufBlocks | None  # the GGUF matrices kept in their blocks, if any
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.packed_head + self.draft_weights
+
+
+def static_bytes(inputs: LedgerInputs) -> StaticBytes:
+    element_bytes = dtype_bytes(inputs.dtype)
+    weights = weight_bytes(inputs.hf_config, inputs.tp_size, element_bytes)
+    prepacked = not inputs.device.startswith("cuda") and inputs.dtype == "float32" and inputs.weight_prepack
+    packed_head = packed_lm_head_bytes(inputs.hf_config, inputs.tp_size) if prepacked else 0
+    blocks = gguf_block_bytes(inputs.hf_config, inputs.tp_size) if prepacked and inputs.gguf_blocks else None
+    if blocks is not None:  # GGUF matrices kept in their blocks instead of float32
+        weights += blocks.linear_bytes - blocks.linear_params * element_bytes
+        packed_head = blocks.head_bytes or packed_head
+    draft = inputs.draft_hf_config
+    draft_weights = weight_bytes(draft, inputs.tp_size, element_bytes) if draft else 0
+    return StaticBytes(weights, packed_head, draft_weights, blocks)
+
+
+@dataclass(frozen=True)
+class KvCell:
+    """KV bytes one token takes on one rank, the draft model's included."""
+
+    dtype: str
+    element_bytes: int
+    model: int
+    draft: int
+
+    @property
+    def total(self) -> int:
+        return self.model + self.draft
+
+
+def kv_cell(inputs: LedgerInputs) -> KvCell:
+    dtype = kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype)
+    element_bytes = dtype_bytes(dtype)
+    model = kv_bytes_per_token(inputs.hf_config, inputs.tp_size, element_bytes)
+    draft = (
+        kv_bytes_per_token(inputs.draft_hf_config, inputs.tp_size, element_bytes)
+        if inputs.draft_hf_config
+        else 0
+    )
+    return KvCell(dtype, element_bytes, model, draft)
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The shapes a step runs at, fixed by the flags and the device before the pool is sized."""
+
+    context: int
+    chunk: int  # chunked_prefill_size; -1 = no chunking
+    prefill_tokens: int  # tokens of the largest prefill forward
+    decode_graph_max_bs: int  # the largest decode batch captured unless the running requests cap it
+    prefill_graphs: tuple[int, ...]  # prefill token counts captured
+    prefill_bytes: int  # peak activations of the largest prefill
+    prefill_text: str
+    overhead: int  # runtime overhead
+    vocab: int
+
+    @property
+    def graph_chunk(self) -> int:
+        """The token count prefill graphs and SGLang's reserve are sized for: the chunk, or the whole prefill."""
+        return self.chunk if self.chunk > 0 else self.prefill_tokens
+
+
+def step_shapes(inputs: LedgerInputs) -> StepShapes:
+    cuda = inputs.device.startswith("cuda")
+    context = inputs.context_length or context_len_of(inputs.hf_config)
+    default_chunk, default_max_bs = (
+        cuda_defaults(inputs.device_memory_bytes, inputs.tp_size)
+        if cuda
+        else (CPU_CHUNKED_PREFILL_SIZE, CPU_GRAPH_MAX_BS)
+    )
+    chunk = inputs.chunked_prefill_size or default_chunk
+    prefill_tokens = (
+        min(chunk, inputs.max_prefill_tokens) if chunk > 0 else max(inputs.max_prefill_tokens, context)
+    )
+    graph_chunk = chunk if chunk > 0 else prefill_tokens
+    prefill_bytes, prefill_text = prefill_activation(
+        inputs.hf_config, prefill_tokens, inputs.tp_size, dtype_bytes(inputs.dtype), inputs.device
+    )
+    return StepShapes(
+        context=context,
+        chunk=chunk,
+        prefill_tokens=prefill_tokens,
+        decode_graph_max_bs=inputs.cuda_graph_max_bs or default_max_bs,
+        prefill_graphs=graph_prefill_tokens(inputs, graph_chunk),
+        prefill_bytes=prefill_bytes,
+        prefill_text=prefill_text,
+        overhead=RUNTIME_OVERHEAD_BYTES + (inputs.tp_size * GIB // 8 if cuda else 0),
+        vocab=required(text_config(inputs.hf_config), "vocab_size"),
+    )
+
+
+@dataclass(frozen=True)
+class RequestReserve:
+    """What grows with the running requests: the decode graphs captured for them, their logits buffer and their
+    rows of the request table."""
+
+    running_requests: int
+    graph_batch_sizes: tuple[int, ...]
+    graph_bytes: int  # decode and prefill graphs together
+    graph_text: str
+    logits_bytes: int
+    request_table_bytes: int
+
+
+def request_reserve(inputs: LedgerInputs, shapes: StepShapes, running_requests: int) -> RequestReserve:
+    sizes = graph_batch_sizes(inputs, shapes.decode_graph_max_bs, running_requests)
+    graph_bytes, graph_text = graph_reserve(inputs, sizes, shapes.prefill_graphs)
+    return RequestReserve(
+        running_requests=running_requests,
+        graph_batch_sizes=sizes,
+        graph_bytes=graph_bytes,
+        graph_text=graph_text,
+        logits_bytes=running_requests * shapes.vocab * 4,
+        request_table_bytes=running_requests * shapes.context * 8,
+    )
+
+
+def reserve_bytes(inputs: LedgerInputs, shapes: StepShapes, running_requests: int) -> int:
+    """Everything kept beside the weights and the pool: runtime, graphs, peak prefill, logits, request table."""
+    reserve = request_reserve(inputs, shapes, running_requests)
+    return (
+        shapes.overhead
+        + reserve.graph_bytes
+        + shapes.prefill_bytes
+        + reserve.logits_bytes
+        + reserve.request_table_bytes
+    )
+
+
+@dataclass(frozen=True)
+class PoolBudget:
+    """The pool as sized, and what the available memory keeps after it."""
+
+    tokens: int
+    cell_bytes: int  # KV bytes per token
+    pool_bytes: int  # tokens and the padding page
+    key_bytes: int  # the K half of the pool (all of it for MLA)
+    after_pool: int  # available - weights - pool - request table - runtime
+    headroom: int  # after_pool - graphs - peak prefill - logits: must stay >= 0
+
+
+def pool_budget(
+    inputs: LedgerInputs,
+    static: StaticBytes,
+    cell: KvCell,
+    shapes: StepShapes,
+    reserve: RequestReserve,
+    tokens: int,
+) -> PoolBudget:
+    page = inputs.page_size
+    pool = (tokens + page) * cell.total if tokens > 0 else 0
+    key_width, _, _ = kv_dims(text_config(inputs.hf_config), inputs.tp_size)
+    layers = kv_layers(text_config(inputs.hf_config))
+    key_bytes = (tokens + page) * key_width * layers * cell.element_bytes if tokens > 0 else 0
+    after_pool = (
+        inputs.available_memory_bytes - static.total - pool - reserve.request_table_bytes - shapes.overhead
+    )
+    headroom = after_pool - reserve.graph_bytes - shapes.prefill_bytes - reserve.logits_bytes
+    return PoolBudget(tokens, cell.total, pool, key_bytes, after_pool, headroom)
+
+
+# ---------------------------------------------------------------- the lines
+
+
+def weight_lines(inputs: LedgerInputs, static: StaticBytes) -> list[LedgerLine]:
+    cpu_ranks = (
+        f" (RAM / tp {inputs.tp_size})" if not inputs.device.startswith("cuda") and inputs.tp_size > 1 else ""
+    )
+    blocks = static.blocks
+    in_blocks = (
+        f"; Q4_1 / Q8_0 linears kept in their GGUF blocks ({gib(blocks.linear_bytes)})" if blocks else ""
+    )
+    lines = [
+        LedgerLine(
+            "available",
+            inputs.available_memory_bytes,
+            f"free {inputs.device} memory per rank before loading{cpu_ranks}",
+        ),
+        LedgerLine(
+            "weights",
+            static.weights,
+            weight_inputs(inputs.hf_config, inputs.tp_size, inputs.dtype) + in_blocks,
+        ),
+    ]
+    if static.packed_head:
+        how = "in its GGUF blocks" if blocks and blocks.head_bytes else "vocab/tp x hidden x 4 B"
+        text = f"CPU prepacked copy of the tied embedding: {how}"
+        lines.append(LedgerLine("packed lm head", static.packed_head, text))
+    if inputs.draft_hf_config:
+        text = weight_inputs(inputs.draft_hf_config, inputs.tp_size, inputs.dtype)
+        lines.append(LedgerLine("draft weights", static.draft_weights, text))
+    return lines
+
+
+def kv_lines(inputs: LedgerInputs, cell: KvCell, budget: PoolBudget) -> list[LedgerLine]:
+    cfg = text_config(inputs.hf_config)
+    _, value_width, widths = kv_dims(cfg, inputs.tp_size)
+    cell_text = f"{widths} x {kv_layers(cfg)} layers x {cell.element_bytes} B ({cell.dtype})"
+    if inputs.draft_hf_config:
+        cell_text += f" + draft {cell.draft} B"
+    pool = budget.pool_bytes
+    split = (
+        f"K {gib(budget.key_bytes)} + V {gib(pool - budget.key_bytes)}" if value_width else f"KV {gib(pool)}"
+    )
+    pool_text = f"{budget.tokens:,} tokens + {inputs.page_size} padding x {cell.total} B: {split}"
+    return [LedgerLine("kv bytes per token", cell.total, cell_text), LedgerLine("kv pool", pool, pool_text)]
+
+
+def reserve_lines(
+    inputs: LedgerInputs, shapes: StepShapes, reserve: RequestReserve, budget: PoolBudget
+) -> list[LedgerLine]:
+    requests, cuda = reserve.running_requests, inputs.device.startswith("cuda")
+    runtime = "interpreter, tokenizer, allocator slack" + (
+        f" + tp {inputs.tp_size}/8 GiB comm" if cuda else ""
+    )
+    return [
+        LedgerLine(
+            "request table",
+            reserve.request_table_bytes,
+            f"{requests} requests x {shapes.context} context x 8 B (int64)",
+        ),
+        LedgerLine("runtime overhead", shapes.overhead, runtime),
+        LedgerLine("graph reserve", reserve.graph_bytes, reserve.graph_text),
+        LedgerLine("prefill activations", shapes.prefill_bytes, shapes.prefill_text),
+        LedgerLine(
+            "logits buffer", reserve.logits_bytes, f"{requests} requests x vocab {shapes.vocab} x 4 B"
+        ),
+        LedgerLine("headroom", budget.headroom, "available - everything above (must stay >= 0)"),
+    ]
+
+
+def host_check(inputs: LedgerInputs, pool: int, device_used: int) -> tuple[list[LedgerLine], str | None]:
     """Host tier lines (per rank, per node) and the host-memory failure message, if any."""
-    if not inp.enable_hierarchical_cache:
+    if not inputs.enable_hierarchical_cache:
         return [], None
-    if inp.hicache_size_gb > 0:
-        per_rank, how = (
-            int(inp.hicache_size_gb * 1e9),
-            f"--hicache-size {inp.hicache_size_gb:g} GB (1e9 B) per rank",
-        )
+    if inputs.hicache_size_gb > 0:
+        per_rank = int(inputs.hicache_size_gb * 1e9)
+        how = f"--hicache-size {inputs.hicache_size_gb:g} GB (1e9 B) per rank"
     else:
-        per_rank, how = (
-            int(inp.hicache_ratio * pool),
-            f"--hicache-ratio {inp.hicache_ratio:g} x KV pool {gib(pool)}",
-        )
-    if inp.host_memory_bytes is not None:
-        host = inp.host_memory_bytes
+        per_rank = int(inputs.hicache_ratio * pool)
+        how = f"--hicache-ratio {inputs.hicache_ratio:g} x KV pool {gib(pool)}"
+    if inputs.host_memory_bytes is not None:
+        host = inputs.host_memory_bytes
     else:
         from kiln.platform import host_available_bytes
 
         host = host_available_bytes()
     reserve = min(10 * GIB, max(GIB, host // 10))
-    shared = (
-        inp.tp_size * device_used if not inp.device.startswith("cuda") else 0
-    )  # on CPU the KV pools are RAM too
+    # on the CPU the KV pools are RAM too
+    shared = inputs.tp_size * device_used if not inputs.device.startswith("cuda") else 0
     budget = host - reserve - shared
-    node = inp.tp_size * per_rank
+    node = inputs.tp_size * per_rank
     minus = f" - cpu ranks' own use {gb(shared)}" if shared else ""
     lines = [
         LedgerLine("host tier per rank", per_rank, how),
         LedgerLine(
-            "host tier node", node, f"{inp.tp_size} ranks x {gb(per_rank)} = {gb(node)} of system RAM"
+            "host tier node", node, f"{inputs.tp_size} ranks x {gb(per_rank)} = {gb(node)} of system RAM"
         ),
         LedgerLine("host budget", budget, f"available RAM {gb(host)} - reserve {gb(reserve)}{minus}"),
     ]
@@ -133,143 +418,73 @@ def _host_check(inp: LedgerInputs, pool: int, device_used: int) -> tuple[list[Le
         return lines, None
     message = (
         f"the hierarchical cache lives in system RAM, not accelerator memory: {how} = {gb(per_rank)} per rank "
-        f"x {inp.tp_size} ranks = {gb(node)} on this node, but only {gb(budget)} is usable "
+        f"x {inputs.tp_size} ranks = {gb(node)} on this node, but only {gb(budget)} is usable "
         f"(available RAM {gb(host)} - reserve {gb(reserve)}{minus})"
     )
     return lines, message
 
 
-def compute_core(inp: LedgerInputs) -> Ledger:
-    """compute_ledger without the fix search."""
-    _validate(inp)
-    hf, cfg, tp, pre, page = (
-        inp.hf_config,
-        text_config(inp.hf_config),
-        inp.tp_size,
-        inp.available_memory_bytes,
-        inp.page_size,
-    )
-    cuda = inp.device.startswith("cuda")
-    wb = dtype_bytes(inp.dtype)
-    kv_dtype = inp.kv_cache_dtype if inp.kv_cache_dtype not in (None, "auto") else inp.dtype
-    kvb = dtype_bytes(kv_dtype)
-    cell = kv_bytes_per_token(hf, tp, kvb)
-    draft = inp.draft_hf_config
-    draft_cell = kv_bytes_per_token(draft, tp, kvb) if draft else 0
-    weights = weight_bytes(hf, tp, wb)
-    draft_w = weight_bytes(draft, tp, wb) if draft else 0
-    prepacks = not cuda and inp.dtype == "float32" and inp.weight_prepack
-    head_copy = packed_lm_head_bytes(hf, tp) if prepacks else 0
-    blocks = gguf_block_bytes(hf, tp) if prepacks and inp.gguf_blocks else None
-    if blocks is not None:  # GGUF matrices kept in their blocks instead of float32
-        linear_params, linear_bytes, head_blocks = blocks
-        weights += linear_bytes - linear_params * wb
-        head_copy = head_blocks or head_copy
-    static, full_cell = weights + draft_w + head_copy, cell + draft_cell
-    ctx = inp.context_length or context_len_of(hf)
-    default_chunk, default_bs = (
-        cuda_defaults(inp.device_memory_bytes, tp) if cuda else (CPU_CHUNKED_PREFILL_SIZE, CPU_GRAPH_MAX_BS)
-    )
-    chunk = inp.chunked_prefill_size or default_chunk
-    prefill_tokens = min(chunk, inp.max_prefill_tokens) if chunk > 0 else max(inp.max_prefill_tokens, ctx)
-    prefill, prefill_text = prefill_activation(hf, prefill_tokens, tp, wb, inp.device)
-    overhead = RUNTIME_OVERHEAD_BYTES + (tp * GIB // 8 if cuda else 0)
-    vocab = _req(cfg, "vocab_size")
-
-    prefill_graphs = graph_prefill_tokens(inp, chunk if chunk > 0 else prefill_tokens)
-
-    def decode_graphs(mrr: int) -> tuple[int, ...]:
-        return graph_batch_sizes(inp, inp.cuda_graph_max_bs or default_bs, mrr)
-
-    def parts(mrr: int) -> tuple[int, str, int, int]:
-        graph, graph_text = graph_reserve(inp, decode_graphs(mrr), prefill_graphs)
-        return graph, graph_text, mrr * vocab * 4, mrr * ctx * 8
-
-    def need_at(mrr: int) -> int:
-        graph, _, logits, table = parts(mrr)
-        return overhead + graph + prefill + logits + table
-
-    sizing = size_pool(inp, static, full_cell, ctx, need_at, chunk if chunk > 0 else prefill_tokens)
-    tokens = sizing.tokens
-    mrr = resolve_running_requests(inp, tokens, ctx) if tokens > 0 else (inp.max_running_requests or 1)
-    graph, graph_text, logits, table = parts(mrr)
-    pool = (tokens + page) * full_cell if tokens > 0 else 0
-    after_pool = pre - static - pool - table - overhead
-    headroom = after_pool - graph - prefill - logits
-
-    k_w, v_w, kv_text = kv_dims(cfg, tp)
-    layers = kv_layers(cfg)
-    k_bytes = (tokens + page) * k_w * layers * kvb if tokens > 0 else 0
-    kv_split = f"K {gib(k_bytes)} + V {gib(pool - k_bytes)}" if v_w else f"KV {gib(pool)}"
-    ram = f" (RAM / tp {tp})" if not cuda and tp > 1 else ""
-    lines = [
-        LedgerLine("available", pre, f"free {inp.device} memory per rank before loading{ram}"),
-        LedgerLine("weights", weights, weight_inputs(hf, tp, inp.dtype) + (
-            f"; Q4_1 / Q8_0 linears kept in their GGUF blocks ({gib(blocks[1])})" if blocks else "")),
-    ]  # fmt: skip
-    if head_copy:
-        how = "in its GGUF blocks" if blocks and blocks[2] else "vocab/tp x hidden x 4 B"
-        lines.append(
-            LedgerLine("packed lm head", head_copy, f"CPU prepacked copy of the tied embedding: {how}")
-        )
-    if draft:
-        lines.append(LedgerLine("draft weights", draft_w, weight_inputs(draft, tp, inp.dtype)))
-    kv_line = f"{kv_text} x {layers} layers x {kvb} B ({kv_dtype})"
-    if draft:
-        kv_line += f" + draft {draft_cell} B"
-    lines += [
-        LedgerLine("kv bytes per token", full_cell, kv_line),
-        LedgerLine("kv pool", pool, f"{tokens:,} tokens + {page} padding x {full_cell} B: {kv_split}"),
-        LedgerLine("request table", table, f"{mrr} requests x {ctx} context x 8 B (int64)"),
-        LedgerLine(
-            "runtime overhead",
-            overhead,
-            "interpreter, tokenizer, allocator slack" + (f" + tp {tp}/8 GiB comm" if cuda else ""),
-        ),
-        LedgerLine("graph reserve", graph, graph_text),
-        LedgerLine("prefill activations", prefill, prefill_text),
-        LedgerLine("logits buffer", logits, f"{mrr} requests x vocab {vocab} x 4 B"),
-        LedgerLine("headroom", headroom, "available - everything above (must stay >= 0)"),
-    ]
-    host_lines, host_fail = _host_check(inp, pool, pre - max(headroom, 0))
-    lines += host_lines
-
-    failure = _first_failure(inp, sizing, static, pre, overhead, tokens, full_cell, after_pool, graph, graph_text,
-                             prefill, prefill_tokens, logits, host_fail)  # fmt: skip
-    return Ledger(
-        lines=tuple(lines), kv_bytes_per_token=full_cell, weight_bytes=static, max_total_num_tokens=tokens,
-        max_running_requests=mrr, context_len=ctx, chunked_prefill_size=chunk, max_prefill_tokens=inp.max_prefill_tokens,
-        mem_fraction_static=min(1.0, sizing.mfs), mem_fraction_reason=sizing.reason, graph_reserve_bytes=graph,
-        graph_batch_sizes=decode_graphs(mrr),
-        graph_prefill_tokens=prefill_graphs,
-        prefill_activation_bytes=prefill, logits_bytes=logits, headroom_bytes=headroom,
-        fits=failure is None, failure=failure, device=inp.device, tp_size=tp,
-    )  # fmt: skip
+# ---------------------------------------------------------------- the verdict
 
 
-def _first_failure(inp, sizing, static, pre, overhead, tokens, cell, after_pool, graph, graph_text,
-                   prefill, prefill_tokens, logits, host_fail) -> Failure | None:  # fmt: skip
+def first_failure(
+    inputs: LedgerInputs,
+    sizing: PoolSizing,
+    static: int,
+    shapes: StepShapes,
+    reserve: RequestReserve,
+    budget: PoolBudget,
+    host_failure: str | None,
+) -> Failure | None:
     """The earliest startup moment that would run out of memory, in the order startup reaches them."""
-    if static + overhead > pre:
-        return Failure("load_weights", f"weights need {gib(static)} per rank (tp {inp.tp_size}) + runtime "
-                       f"{gib(overhead)}, but only {gib(pre)} is free per rank", "")  # fmt: skip
-    if tokens <= 0:
-        return Failure("kv_allocation", f"{sizing.cause}: weights {gib(static)} leave no memory for the KV cache "
-                       f"after the reserve for runtime, capture and prefill ({gib(pre)} free per rank)", "")  # fmt: skip
-    if sizing.target and tokens < sizing.target[0]:
-        want, what = sizing.target
-        return Failure("kv_allocation", f"{what} needs {want:,} tokens = {gib(want * cell)} of KV, but "
-                       f"{sizing.cause} gives a pool of {tokens:,} tokens ({gib(tokens * cell)})", "")  # fmt: skip
-    if after_pool < 0:
-        return Failure("kv_allocation", f"{sizing.cause}: weights {gib(static)} + KV pool {gib(tokens * cell)} + "
-                       f"request table and runtime exceed the {gib(pre)} free per rank", "")  # fmt: skip
-    if host_fail:
-        return Failure("host_memory", host_fail, "")
-    if after_pool < graph:
-        return Failure("graph_capture", f"{sizing.cause} leaves {gib(after_pool)} after the KV pool; graph capture "
-                       f"needs {gib(graph)} ({graph_text})", "")  # fmt: skip
-    if after_pool - graph < prefill + logits:
-        return Failure("first_full_prefill", f"{sizing.cause} leaves {gib(after_pool - graph)} after capture; a full "
-                       f"{prefill_tokens}-token prefill needs {gib(prefill + logits)} (activations {gib(prefill)} "
-                       f"+ logits buffer {gib(logits)})", "")  # fmt: skip
+    available, cause = inputs.available_memory_bytes, sizing.cause
+    if static + shapes.overhead > available:
+        message = (
+            f"weights need {gib(static)} per rank (tp {inputs.tp_size}) + runtime {gib(shapes.overhead)}, "
+            f"but only {gib(available)} is free per rank"
+        )
+        return Failure("load_weights", message, "")
+    kv_failure = _kv_failure(sizing, static, available, budget)
+    if kv_failure is not None:
+        return kv_failure
+    if host_failure:
+        return Failure("host_memory", host_failure, "")
+    if budget.after_pool < reserve.graph_bytes:
+        message = (
+            f"{cause} leaves {gib(budget.after_pool)} after the KV pool; graph capture needs "
+            f"{gib(reserve.graph_bytes)} ({reserve.graph_text})"
+        )
+        return Failure("graph_capture", message, "")
+    after_capture = budget.after_pool - reserve.graph_bytes
+    prefill, logits = shapes.prefill_bytes, reserve.logits_bytes
+    if after_capture < prefill + logits:
+        message = (
+            f"{cause} leaves {gib(after_capture)} after capture; a full {shapes.prefill_tokens}-token prefill "
+            f"needs {gib(prefill + logits)} (activations {gib(prefill)} + logits buffer {gib(logits)})"
+        )
+        return Failure("first_full_prefill", message, "")
     return None
+
+
+def _kv_failure(sizing: PoolSizing, static: int, available: int, budget: PoolBudget) -> Failure | None:
+    """The KV allocation fails: no pool at all, less than an absolute target, or more than the memory holds."""
+    tokens, cell, cause = budget.tokens, budget.cell_bytes, sizing.cause
+    if tokens <= 0:
+        message = (
+            f"{cause}: weights {gib(static)} leave no memory for the KV cache after the reserve for runtime, "
+            f"capture and prefill ({gib(available)} free per rank)"
+        )
+    elif sizing.target and tokens < sizing.target.tokens:
+        want = sizing.target.tokens
+        message = (
+            f"{sizing.target.flags} needs {want:,} tokens = {gib(want * cell)} of KV, but {cause} gives a pool "
+            f"of {tokens:,} tokens ({gib(tokens * cell)})"
+        )
+    elif budget.after_pool < 0:
+        message = (
+            f"{cause}: weights {gib(static)} + KV pool {gib(tokens * cell)} + request table and runtime exceed "
+            f"the {gib(available)} free per rank"
+        )
+    else:
+        return None
+    return Failure("kv_allocation", message, "")

@@ -1,11 +1,17 @@
 """The memory ledger's types: what it is asked (LedgerInputs) and what it answers (Ledger: lines, sizes, verdict).
-Plain data, imported by every part of the ledger's arithmetic and by its readers."""
+Plain data, imported by every part of the ledger's arithmetic and by its readers; LedgerInputs.from_args is the one
+way from serve's flags to the inputs, for `kiln serve` and `kiln plan` alike."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from kiln.platform import gguf_blocks_expected
+import kiln.platform as platform
+from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
+
+if TYPE_CHECKING:
+    from kiln.config import ServerArgs
 
 MOMENTS = ("load_weights", "kv_allocation", "host_memory", "graph_capture", "first_full_prefill")
 
@@ -38,8 +44,68 @@ class LedgerInputs:
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
     draft_hf_config: dict | None = None  # speculative decoding draft model
     weight_prepack: bool = True  # CPU float32: linear weights in a packed layout (a tied lm head gets a copy)
-    # CPU float32 with prepacking: GGUF Q4_1 / Q8_0 matrices stay in their blocks (Kiln's kernel, AVX2)
-    gguf_blocks: bool = field(default_factory=gguf_blocks_expected)
+    # CPU float32 with prepacking: GGUF Q4_1 / Q8_0 matrices stay in their blocks (Kiln's kernel, AVX2); from_args
+    # asks the platform, plain data does not probe the CPU
+    gguf_blocks: bool = False
+
+    @classmethod
+    def from_args(cls, args: ServerArgs, hf_config: dict) -> LedgerInputs:
+        """What `kiln serve` and `kiln plan` ask the ledger for these flags and this model config: the device and
+        dtypes resolved, memory probed unless given. Raises ValueError for what cannot be planned."""
+        device = platform.detect_device() if args.device == "auto" else args.device
+        total, available = _device_memory(args, device)
+        dtype = resolve_dtype_name(hf_config, device, args.dtype)
+        # only the CPU kernel keeps GGUF blocks; --cpu-gemm does not concern a CUDA plan
+        blocks = device == "cpu" and platform.gguf_blocks_expected(args.cpu_gemm)
+        return cls(
+            hf_config=hf_config,
+            device=device,
+            device_memory_bytes=total,
+            available_memory_bytes=available,
+            tp_size=args.tp_size,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype_name(args.kv_cache_dtype, dtype),
+            mem_fraction_static=args.mem_fraction_static,
+            max_total_tokens=args.max_total_tokens,
+            context_length=args.context_length,
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+            page_size=args.page_size,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            cuda_graph_bs=args.cuda_graph_bs,
+            cuda_graph_max_bs_prefill=args.cuda_graph_max_bs_prefill,
+            cuda_graph_bs_prefill=args.cuda_graph_bs_prefill,
+            disable_cuda_graph=args.disable_cuda_graph,
+            disable_prefill_graph=args.disable_prefill_graph,
+            enable_hierarchical_cache=args.enable_hierarchical_cache,
+            hicache_size_gb=args.hicache_size,
+            hicache_ratio=args.hicache_ratio,
+            host_memory_bytes=_host_memory(args),
+            weight_prepack=not args.disable_weight_prepack,
+            gguf_blocks=blocks,
+        )
+
+
+def _device_memory(args: ServerArgs, device: str) -> tuple[int, int]:
+    """(total, available) bytes per rank. A given --device-memory plans for an empty device; CPU ranks share one
+    machine's RAM."""
+    if args.device_memory:
+        total = available = platform.parse_size(args.device_memory)
+    elif device.startswith("cuda") and platform.detect_device() != "cuda":
+        raise ValueError("--device cuda on a machine without CUDA: give --device-memory (e.g. 80GiB)")
+    else:
+        total, available = platform.total_memory_bytes(device), platform.available_memory_bytes(device)
+    if device == "cpu" and args.tp_size > 1:
+        total, available = total // args.tp_size, available // args.tp_size
+    return total, available
+
+
+def _host_memory(args: ServerArgs) -> int | None:
+    """Node RAM the host tier may use: given, probed when the tier is on, else not needed."""
+    if args.host_memory:
+        return platform.parse_size(args.host_memory)
+    return platform.host_available_bytes() if args.enable_hierarchical_cache else None
 
 
 @dataclass(frozen=True)

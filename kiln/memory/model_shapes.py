@@ -1,23 +1,15 @@
-"""Model-shape arithmetic from an HF config dict alone: dtypes, KV dimensions (MHA/GQA/MLA), parameter and
-weight bytes per rank, peak prefill activations. Used by the memory ledger."""
+"""Model-shape arithmetic from an HF config dict alone: KV dimensions (MHA/GQA/MLA), parameter and weight bytes per
+rank, peak prefill activations. Used by the memory ledger."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-_DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
-}  # fmt: skip
+from kiln.core.dtypes import dtype_bytes
+from kiln.distributed import kv_heads_per_rank
+
 _NON_KV_LAYER_TYPES = {"linear_attention", "mamba", "mamba2", "conv", "recurrent"}
-
-
-def dtype_bytes(name: str) -> int:
-    try:
-        return _DTYPE_BYTES[name.lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r} (use one of {', '.join(sorted(_DTYPE_BYTES))})") from None
 
 
 def text_config(hf_config: dict) -> dict:
@@ -27,37 +19,25 @@ def text_config(hf_config: dict) -> dict:
     return hf_config
 
 
-def resolve_dtype(hf_config: dict, device: str, dtype: str | None = "auto") -> str:
-    """'auto' -> float32 on CPU (fastest in stock PyTorch there); on CUDA the checkpoint's half type."""
-    if dtype and dtype != "auto":
-        dtype_bytes(dtype)
-        return dtype
-    if not device.startswith("cuda"):
-        return "float32"
-    cfg = text_config(hf_config)
-    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or hf_config.get("torch_dtype") or "bfloat16")
-    name = name.removeprefix("torch.")
-    return name if name in ("bfloat16", "float16") else "float16"
-
-
-def _req(cfg: dict, key: str) -> int:
+def required(cfg: dict, key: str) -> int:
+    """An integer the arithmetic cannot do without; a ValueError that names it when the config lacks it."""
     if cfg.get(key) is None:
         raise ValueError(f"model config has no {key!r}; is this a decoder LLM config.json?")
     return int(cfg[key])
 
 
-def _is_mla(cfg: dict) -> bool:
+def is_mla(cfg: dict) -> bool:
+    """Multi-head latent attention (DeepSeek): one compressed KV latent per token instead of K and V heads."""
     return bool(cfg.get("kv_lora_rank"))
 
 
 def head_dim(cfg: dict) -> int:
-    return int(cfg.get("head_dim") or _req(cfg, "hidden_size") // _req(cfg, "num_attention_heads"))
+    return int(cfg.get("head_dim") or required(cfg, "hidden_size") // required(cfg, "num_attention_heads"))
 
 
-def kv_heads_per_rank(cfg: dict, tp_size: int) -> int:
-    """KV heads held by one rank; replicated (1 per rank) when tp > kv heads."""
-    kv = int(cfg.get("num_key_value_heads") or _req(cfg, "num_attention_heads"))
-    return max(1, math.ceil(kv / tp_size))
+def kv_heads(cfg: dict) -> int:
+    """KV heads of the whole model (as many as the attention heads without GQA)."""
+    return int(cfg.get("num_key_value_heads") or required(cfg, "num_attention_heads"))
 
 
 def kv_layers(cfg: dict) -> int:
@@ -65,24 +45,24 @@ def kv_layers(cfg: dict) -> int:
     types = cfg.get("layer_types")
     if isinstance(types, list) and types:
         return sum(1 for t in types if str(t) not in _NON_KV_LAYER_TYPES)
-    return _req(cfg, "num_hidden_layers")
+    return required(cfg, "num_hidden_layers")
 
 
 def kv_dims(cfg: dict, tp_size: int) -> tuple[int, int, str]:
     """(K width, V width) per token per layer on one rank, in elements, and the formula in words."""
-    if _is_mla(cfg):
+    if is_mla(cfg):
         lora, rope = int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim") or 0)
         return lora + rope, 0, f"MLA (kv_lora_rank {lora} + rope {rope})"
-    heads, hd = kv_heads_per_rank(cfg, tp_size), head_dim(cfg)
+    heads, hd = kv_heads_per_rank(kv_heads(cfg), tp_size), head_dim(cfg)
     vd = int(cfg.get("v_head_dim") or hd)
     return heads * hd, heads * vd, f"{heads} kv heads/rank x ({hd}+{vd})"
 
 
-def kv_bytes_per_token(hf_config: dict, tp_size: int, dtype_bytes: int) -> int:
+def kv_bytes_per_token(hf_config: dict, tp_size: int, element_bytes: int) -> int:
     """MHA/GQA: kv_heads_per_rank x (head_dim + v_head_dim) x layers x bytes; MLA: (lora + rope) x layers x bytes."""
     cfg = text_config(hf_config)
     k, v, _ = kv_dims(cfg, tp_size)
-    return (k + v) * kv_layers(cfg) * dtype_bytes
+    return (k + v) * kv_layers(cfg) * element_bytes
 
 
 def _moe_layer(cfg: dict, i: int) -> bool:
@@ -107,8 +87,8 @@ def _experts(cfg: dict) -> tuple[int, int, int, int]:
 
 
 def _attn_params(cfg: dict, tp: int) -> float:
-    h, nh = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads")
-    if _is_mla(cfg):
+    h, nh = required(cfg, "hidden_size"), required(cfg, "num_attention_heads")
+    if is_mla(cfg):
         lora, rope, nope = (
             int(cfg["kv_lora_rank"]),
             int(cfg.get("qk_rope_head_dim") or 0),
@@ -117,7 +97,7 @@ def _attn_params(cfg: dict, tp: int) -> float:
         vd, qr = int(cfg.get("v_head_dim") or nope), cfg.get("q_lora_rank")
         q = (h * qr + qr + qr * nh * (nope + rope) / tp) if qr else h * nh * (nope + rope) / tp
         return q + h * (lora + rope) + lora + lora * nh * (nope + vd) / tp + nh * vd * h / tp
-    hd, kvr = head_dim(cfg), kv_heads_per_rank(cfg, tp)
+    hd, kvr = head_dim(cfg), kv_heads_per_rank(kv_heads(cfg), tp)
     params = 2 * h * nh * hd / tp + 2 * h * kvr * hd
     if cfg.get("attention_bias") or cfg.get("model_type") in ("qwen2", "qwen2_moe"):
         params += nh * hd / tp + 2 * kvr * hd + (h if cfg.get("attention_bias") else 0)
@@ -128,9 +108,9 @@ def _attn_params(cfg: dict, tp: int) -> float:
 
 def _mlp_params(cfg: dict, i: int, tp: int) -> tuple[float, float]:
     """(linear params sharded by TP, replicated small params) of layer i's MLP."""
-    h = _req(cfg, "hidden_size")
+    h = required(cfg, "hidden_size")
     if not _moe_layer(cfg, i):
-        return 3 * h * _req(cfg, "intermediate_size") / tp, 0.0
+        return 3 * h * required(cfg, "intermediate_size") / tp, 0.0
     n, inter, shared, _ = _experts(cfg)
     router = h * n + (h if cfg.get("shared_expert_intermediate_size") else 0)  # + shared-expert gate
     return 3 * h * (n * inter + shared) / tp, float(router)
@@ -139,7 +119,11 @@ def _mlp_params(cfg: dict, i: int, tp: int) -> tuple[float, float]:
 def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
     """Per-rank (linear-layer params, other params: embeddings, lm head, norms, routers)."""
     cfg = text_config(hf_config)
-    h, layers, vocab = _req(cfg, "hidden_size"), _req(cfg, "num_hidden_layers"), _req(cfg, "vocab_size")
+    h, layers, vocab = (
+        required(cfg, "hidden_size"),
+        required(cfg, "num_hidden_layers"),
+        required(cfg, "vocab_size"),
+    )
     tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
     other = vocab * h / tp_size * (1 if tied else 2) + h  # embedding (+ untied lm head) + final norm
     linear = 0.0
@@ -155,14 +139,14 @@ def packed_lm_head_bytes(hf_config: dict, tp_size: int) -> int:
     cfg = text_config(hf_config)
     if not bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))):
         return 0
-    return math.ceil(_req(cfg, "vocab_size") / tp_size) * _req(cfg, "hidden_size") * 4
+    return math.ceil(required(cfg, "vocab_size") / tp_size) * required(cfg, "hidden_size") * 4
 
 
-def _linear_bytes_per_param(hf_config: dict, dtype_bytes: int) -> tuple[float, str]:
+def _linear_bytes_per_param(hf_config: dict, element_bytes: int) -> tuple[float, str]:
     q = hf_config.get("quantization_config") or {}
     method = str(q.get("quant_method") or "").lower()
     if not method:
-        return float(dtype_bytes), ""
+        return float(element_bytes), ""
     if "fp8" in method or method in ("compressed-tensors", "modelopt"):
         return 1.0 + 4 / (128 * 128), f"{method} (1 B + block scales)"
     if method in ("mxfp4", "modelopt_fp4", "nvfp4"):
@@ -171,23 +155,31 @@ def _linear_bytes_per_param(hf_config: dict, dtype_bytes: int) -> tuple[float, s
         return (0.5 + 4 / 64, "bnb 4-bit") if q.get("load_in_4bit") else (1.0, "bnb 8-bit")
     bits, group = int(q.get("bits") or 4), int(q.get("group_size") or 128)
     group = group if group > 0 else 1024
-    return bits / 8 + (dtype_bytes + bits / 8) / group, f"{method} {bits}-bit, group {group}"
+    return bits / 8 + (element_bytes + bits / 8) / group, f"{method} {bits}-bit, group {group}"
 
 
-def weight_bytes(hf_config: dict, tp_size: int, dtype_bytes: int) -> int:
+def weight_bytes(hf_config: dict, tp_size: int, element_bytes: int) -> int:
     """Per-rank weight bytes: parameter count from shapes (or GGUF's f32 total), quantized linears as stored."""
     gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
     f32 = gguf.get("weight_bytes_f32") or hf_config.get("kiln_gguf.weight_bytes_f32")
     if f32:  # GGUF tensors are dequantized to the serving dtype
-        return math.ceil(int(f32) / 4 * dtype_bytes / tp_size)
+        return math.ceil(int(f32) / 4 * element_bytes / tp_size)
     linear, other = param_counts(hf_config, tp_size)
-    per_param, _ = _linear_bytes_per_param(hf_config, dtype_bytes)
-    return math.ceil(linear * per_param + other * dtype_bytes)
+    per_param, _ = _linear_bytes_per_param(hf_config, element_bytes)
+    return math.ceil(linear * per_param + other * element_bytes)
 
 
-def gguf_block_bytes(hf_config: dict, tp_size: int) -> tuple[int, int, int] | None:
-    """GGUF Q4_1 / Q8_0 matrices that Kiln's CPU kernel keeps in their blocks, per rank: (linear params, their
-    bytes in blocks, the tied LM head's copy in blocks); None for other checkpoints."""
+@dataclass(frozen=True)
+class GgufBlocks:
+    """GGUF Q4_1 / Q8_0 matrices that Kiln's CPU kernel keeps in their blocks, per rank."""
+
+    linear_params: int  # parameters of the linear matrices kept in blocks
+    linear_bytes: int  # their bytes in blocks
+    head_bytes: int  # the tied LM head's prepacked copy in blocks; 0 when untied or not in blocks
+
+
+def gguf_block_bytes(hf_config: dict, tp_size: int) -> GgufBlocks | None:
+    """The GGUF matrices kept in their blocks on one rank; None for other checkpoints."""
     gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
     if not gguf.get("block_linear_params"):
         return None
@@ -195,8 +187,11 @@ def gguf_block_bytes(hf_config: dict, tp_size: int) -> tuple[int, int, int] | No
         text_config(hf_config).get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
     )
     head = int(gguf.get("block_embed_bytes") or 0) if tied else 0
-    return tuple(
-        math.ceil(int(v) / tp_size) for v in (gguf["block_linear_params"], gguf["block_linear_bytes"], head)
+    return GgufBlocks(
+        *(
+            math.ceil(int(v) / tp_size)
+            for v in (gguf["block_linear_params"], gguf["block_linear_bytes"], head)
+        )
     )
 
 
@@ -222,9 +217,13 @@ def context_len_of(hf_config: dict) -> int:
 def prefill_activation(hf_config: dict, tokens: int, tp: int, act_bytes: int, device: str) -> tuple[int, str]:
     """Peak activations of one prefill forward over `tokens` tokens, per rank."""
     cfg = text_config(hf_config)
-    h, nh, vocab = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads"), _req(cfg, "vocab_size")
+    h, nh, vocab = (
+        required(cfg, "hidden_size"),
+        required(cfg, "num_attention_heads"),
+        required(cfg, "vocab_size"),
+    )
     heads = max(1, math.ceil(nh / tp))
-    if _is_mla(cfg):
+    if is_mla(cfg):
         nope, rope = int(cfg.get("qk_nope_head_dim") or 0), int(cfg.get("qk_rope_head_dim") or 0)
         vd = int(cfg.get("v_head_dim") or nope)
         qkv_w, out_w = heads * (2 * (nope + rope) + vd), heads * vd

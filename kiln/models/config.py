@@ -1,18 +1,11 @@
 """Model configuration resolved once from an HF config dict (config.json or GGUF metadata: kiln.loader reads
-either)."""
+either). The dtype the model is served in is not part of it: kiln.core.dtypes decides that, for the memory ledger
+and the load alike."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    return _DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -31,7 +24,6 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
-    checkpoint_dtype: str
     eos_token_ids: tuple[int, ...]
     is_gguf: bool
 
@@ -46,7 +38,6 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        ckpt_dtype = str(d.get("torch_dtype") or d.get("dtype") or "float32").replace("torch.", "")
         return cls(
             model_path=model_path,
             hf_config=hf,
@@ -62,15 +53,6 @@ class ModelConfig:
             rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
-            checkpoint_dtype=ckpt_dtype if ckpt_dtype in _DTYPES else "float32",
             eos_token_ids=eos_ids,
             is_gguf=model_path.endswith(".gguf"),
         )
-
-    def resolve_dtype(self, requested: str, device: str) -> torch.dtype:
-        """--dtype auto: float32 on CPU (fastest here, no AMX), the checkpoint's half type on CUDA."""
-        if requested != "auto":
-            return dtype_from_name(requested)
-        if device == "cpu":
-            return torch.float32
-        return torch.bfloat16 if self.checkpoint_dtype in ("bfloat16", "float32") else torch.float16

@@ -12,7 +12,7 @@ from kiln.layers.activation import silu_and_mul
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
-from kiln.layers.rotary import RotaryEmbedding
+from kiln.layers.rotary import RotaryEmbedding, check_rope_type
 from kiln.models.config import ModelConfig
 from kiln.models.weight_utils import default_weight_loader
 
@@ -72,9 +72,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.make_mlp(cfg, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
+        """The layer's MLP: dense here; a mixture-of-experts model's layer returns its sparse block."""
+        return LlamaMLP(cfg)
 
     # A layer is two attention-free pieces around the attention call, so that graph capture can take the pieces
     # at fixed token counts while attention, whose shapes follow the batch's sequences, runs in between.
@@ -95,18 +99,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = (
+        LlamaDecoderLayer  # one class for every layer: graphs compile it once
+    )
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        check_rope_type(cfg.hf_config)  # refused before any weight is allocated
         self.cfg = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, type(self).layer_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from kiln.models import llama
+from kiln.models import llama, qwen3_moe
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.MistralForCausalLM,
     "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
     "Qwen3ForCausalLM": llama.Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": qwen3_moe.Qwen3MoeForCausalLM,
 }
 
 

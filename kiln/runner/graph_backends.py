@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kiln.core.forward_batch import ForwardBatch, ForwardMode, Pieces
-from kiln.runner.attention import common_prefix
+from kiln.core.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode, Pieces
+from kiln.runner.attention import AttentionBackend
 
 # capture(fn, pool) -> (replay, pool): records fn as a graph in the memory pool and returns what replays it
 GraphCapture = Callable[[Callable[[], None], Any], tuple[Callable[[], None], Any]]
@@ -51,20 +52,11 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def decode_batch(inputs: DecodeInputs, shared_prefix: int | torch.Tensor = 0) -> ForwardBatch:
-    """A captured decode step's batch. `shared_prefix`: the KV table's leading columns every request shares (a
-    one-element tensor in a compiled CPU step, an input that changes from step to step; see CompiledDecode)."""
+def decode_batch(inputs: DecodeInputs, attn: AttentionMetadata) -> ForwardBatch:
+    """A captured decode step's batch, with the attention backend's graph metadata (see CompiledDecode)."""
     ids, pos, loc, table, mask = inputs
     return ForwardBatch(
-        ForwardMode.DECODE,
-        ids,
-        pos,
-        loc,
-        logits_index=None,
-        kv_table=table,
-        kv_mask=mask,
-        shared_kv=False,
-        shared_prefix=shared_prefix,
+        ForwardMode.DECODE, ids, pos, loc, logits_index=None, kv_table=table, kv_mask=mask, attn=attn
     )
 
 
@@ -82,7 +74,9 @@ def dummy_decode_inputs(bs: int, length: int, device) -> DecodeInputs:
 
 
 def _decode_step(model, ids, pos, loc, table, mask, shared_prefix: int | torch.Tensor = 0) -> torch.Tensor:
-    return model(decode_batch((ids, pos, loc, table, mask), shared_prefix))
+    """The step graphs capture. Its attention metadata is the model's own backend's graph metadata: static, with
+    `shared_prefix` (the KV table's leading columns every request shares) as its one input that changes."""
+    return model(decode_batch((ids, pos, loc, table, mask), model.attn.graph_metadata(shared_prefix)))
 
 
 @functools.cache
@@ -115,11 +109,10 @@ class CompiledDecode:
     name = "inductor"
     compiled = True  # its payoff against eager is measured at capture
 
-    def __init__(self, model, device: str):
+    def __init__(self, model, attn: AttentionBackend, device: str):
         self.model, self.device = model, device
         self.fn = torch.compile(_decode_step, dynamic=False)
-        attn = getattr(model, "attn", None)
-        self.reads_shared_prefix_once = bool(attn is not None and attn.cpu_kernel)
+        self.reads_shared_prefix_once = attn.reads_shared_prefix_once
 
     def capture(self, bs: int) -> None:
         inputs = dummy_decode_inputs(bs, CAPTURE_KV_LEN, self.device)
@@ -128,11 +121,11 @@ class CompiledDecode:
         self.fn(self.model, *inputs, self._shared(0))
 
     def replay(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
-        shared = common_prefix(fb.kv_table, fb.kv_mask) if self.reads_shared_prefix_once else 0
-        return self.fn(self.model, *pad_decode_inputs(fb, bs), self._shared(shared))
+        """The shared prefix the attention backend found in the batch goes in as the step's input."""
+        return self.fn(self.model, *pad_decode_inputs(fb, bs), self._shared(fb.attn.shared_prefix))
 
-    def _shared(self, columns: int) -> torch.Tensor | int:
-        return torch.tensor([columns], dtype=torch.int64) if self.reads_shared_prefix_once else 0
+    def _shared(self, columns: int | torch.Tensor) -> torch.Tensor | int:
+        return torch.tensor([int(columns)], dtype=torch.int64) if self.reads_shared_prefix_once else 0
 
 
 class CudaGraphDecode:
@@ -141,7 +134,9 @@ class CudaGraphDecode:
 
     name = "full"
     compiled = False
-    reads_shared_prefix_once = False  # graphs gather each request's rows: mostly shared batches run eagerly
+    # the graphs run on the graph metadata: no distinct slots, no shared prefix, each request's rows gathered or
+    # walked; mostly shared batches run eagerly
+    reads_shared_prefix_once = False
 
     def __init__(
         self, model, device: str, max_bs: int, kv_width: int, capture_graph: GraphCapture = cuda_graph_capture
@@ -185,14 +180,15 @@ class CudaGraphDecode:
 
 
 # ---------------------------------------------------------------------------------------------- prefill
-def dummy_extend_batch(tokens: int, device) -> ForwardBatch:
-    """One fresh prompt of `tokens` tokens whose KV all goes to the padding slot 0."""
+def dummy_extend_batch(tokens: int, device, attn: AttentionBackend) -> ForwardBatch:
+    """One fresh prompt of `tokens` tokens whose KV all goes to the padding slot 0, with its attention metadata."""
     slots = torch.zeros(tokens, dtype=torch.int64, device=device)
-    return ForwardBatch(
+    fb = ForwardBatch(
         ForwardMode.EXTEND, slots.clone(), torch.arange(tokens, device=device), slots,
         logits_index=torch.tensor([tokens - 1], device=device), extend_lens=[tokens], prefix_lens=[0],
         seq_slots=[slots],
     )  # fmt: skip
+    return replace(fb, attn=attn.prepare_metadata(fb))
 
 
 class CompiledPrefill:
@@ -201,14 +197,16 @@ class CompiledPrefill:
     name = "inductor-piecewise"
     compiled = True
 
-    def __init__(self, model, device: str):
-        self.model, self.device = model, device
+    def __init__(self, model, attn: AttentionBackend, device: str):
+        self.model, self.attn, self.device = model, attn, device
         layer = type(model.model.layers[0])
         self.before = torch.compile(layer.before_attention, dynamic=False)
         self.after = torch.compile(layer.after_attention, dynamic=False)
 
     def capture(self, tokens: int) -> None:
-        self.model(dummy_extend_batch(tokens, self.device), Pieces(self.before, self.after, tokens))
+        self.model(
+            dummy_extend_batch(tokens, self.device, self.attn), Pieces(self.before, self.after, tokens)
+        )
 
     def replay(self, tokens: int, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb, Pieces(self.before, self.after, tokens))
@@ -223,8 +221,10 @@ class BreakablePrefill:
     name = "breakable"
     compiled = False
 
-    def __init__(self, model, device: str, capture_graph: GraphCapture = cuda_graph_capture):
-        self.model, self.device, self.capture_graph = model, device, capture_graph
+    def __init__(
+        self, model, attn: AttentionBackend, device: str, capture_graph: GraphCapture = cuda_graph_capture
+    ):
+        self.model, self.attn, self.device, self.capture_graph = model, attn, device, capture_graph
         self.graphs: dict[tuple[int, int, str], Callable[[], None]] = {}
         self.bufs: dict[str, torch.Tensor] = {}
         self.pool: Any = None
@@ -232,7 +232,7 @@ class BreakablePrefill:
         self.capturing = False
 
     def capture(self, tokens: int) -> None:
-        fb = dummy_extend_batch(tokens, self.device)
+        fb = dummy_extend_batch(tokens, self.device, self.attn)
         self.model(fb)  # eager warm-up: lazy initialisation must not be captured
         self.capturing = True
         try:

@@ -15,7 +15,7 @@ import platform
 
 import torch
 
-from kiln.platform import cpu_kernel_mode
+from kiln.layers.cpu_gemm import cpu_gemm_mode
 
 logger = logging.getLogger("kiln")
 
@@ -67,7 +67,7 @@ def fingerprint(model) -> str:
     """Host, threads, torch, kernel choice and the model's tensors (names, shapes, dtypes)."""
     h = hashlib.sha256()
     h.update(f"{platform.machine()}|{_cpu_name()}|{torch.get_num_threads()}|{torch.__version__}|".encode())
-    h.update(f"{cpu_kernel_mode()}|".encode())
+    h.update(f"{cpu_gemm_mode()}|".encode())
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     return h.hexdigest()[:16]

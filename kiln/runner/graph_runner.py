@@ -2,17 +2,17 @@
 startup and replayed.
 
 Apart from the model runner, it only calls the model, through the backends of graph_backends.py (CUDA graphs or
-compiled steps for decode; for prefill, CUDA graphs or compiled code for each layer's attention-free pieces). Compiled code is cached on disk so that a second start
-reuses it. Shapes are captured largest first, prefill before decode. A batch pads up to the next captured shape (decode:
-dummy rows at the reserved padding slot 0; prefill: rows attention never sees, at most 2x); larger batches and,
-on the CPU, shapes whose compiled code measured slower than eager run eagerly.
+compiled steps for decode; for prefill, CUDA graphs or compiled code for each layer's attention-free pieces).
+Compiled code is cached on disk so that a second start reuses it. Shapes are captured largest first, prefill before
+decode. A batch pads up to the next captured shape (decode: dummy rows at the reserved padding slot 0; prefill:
+rows attention never sees, at most 2x); larger batches and, on the CPU, shapes whose compiled code measured slower
+than eager run eagerly.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,8 +22,14 @@ import torch
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.core.graph_shapes import CUDA_GRAPH_KV_WIDTH, bucket_for, prefill_bucket_for
-from kiln.core.units import GIB
-from kiln.platform import available_gb, used_memory_bytes
+from kiln.core.units import gib
+from kiln.platform import available_gb, available_memory_bytes, used_memory_bytes
+from kiln.runner.attention import AttentionBackend
+from kiln.runner.compiler import (
+    capture_window,
+    compile_cache_counts,
+    configure_compiler,
+)
 from kiln.runner.graph_backends import (
     CAPTURE_KV_LEN,
     BreakablePrefill,
@@ -55,29 +61,6 @@ class ShapeRecord:
     kept: bool = True
     cache_hit: bool = False  # CPU: the compiled code came from the on-disk cache, nothing was compiled
     timed_earlier: bool = False  # CPU: graph_ms / eager_ms are an earlier start's, saved with the cached code
-
-
-def default_compile_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "kiln", "compile")
-
-
-def _configure_compiler(cache_dir: str | None, shapes: int) -> None:
-    """Inductor's on-disk cache directory, and room for one compiled entry per shape."""
-    if cache_dir:  # inductor reads its cache directory from the environment
-        os.makedirs(cache_dir, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, 2 * shapes + 8)  # one compiled entry per shape
-
-
-def _compile_cache_counts() -> tuple[int, int]:
-    """(hits, misses) of the on-disk caches so far. A hit of AOTAutograd's cache loads inductor's compiled code
-    too: nothing is lowered or built. A miss or a bypass of either means the shape was compiled."""
-    from torch._dynamo.utils import counters
-
-    aot, inductor = counters["aot_autograd"], counters["inductor"]
-    misses = aot["autograd_cache_miss"] + aot["autograd_cache_bypass"] + inductor["fxgraph_cache_miss"]
-    return aot["autograd_cache_hit"], misses
 
 
 # ---------------------------------------------------------------------------------------------- the runner
@@ -119,19 +102,27 @@ class GraphRunner:
         prefill_tokens: list[int] | None = None,
         kv_width: int = 0,
         cache_dir: str | None = None,
+        *,
+        attn_backend: AttentionBackend,
     ):
+        """attn_backend: the attention backend the model runs with (the model runner's)."""
         self.model, self.device = model, device
+        self.attn = attn_backend
         self.cuda = device.startswith("cuda")
-        _configure_compiler(cache_dir, len(batch_sizes) + len(prefill_tokens or []))
+        configure_compiler(cache_dir, len(batch_sizes) + len(prefill_tokens or []))
         self.phases: dict[str, Phase] = {}
         if prefill_tokens:
-            prefill = BreakablePrefill(model, device) if self.cuda else CompiledPrefill(model, device)
+            prefill = (
+                BreakablePrefill(model, self.attn, device)
+                if self.cuda
+                else CompiledPrefill(model, self.attn, device)
+            )
             self.phases["prefill"] = Phase("prefill", sorted(prefill_tokens), prefill, "num_tokens", {})
         if batch_sizes:
             decode = (
                 CudaGraphDecode(model, device, max(batch_sizes), min(kv_width, CUDA_GRAPH_KV_WIDTH))
                 if self.cuda
-                else CompiledDecode(model, device)
+                else CompiledDecode(model, self.attn, device)
             )
             self.phases["decode"] = Phase("decode", sorted(batch_sizes), decode, "bs", {})
         self.failed_replays = 0
@@ -149,20 +140,16 @@ class GraphRunner:
         return self.phases[phase].captured if phase in self.phases else []
 
     def capture(self, on_progress: Callable[[dict], None] | None = None) -> None:
-        """Prefill first, then decode; each largest first with gc frozen, reporting (i of n, shape, avail mem).
-        Afterwards a shape that would need a new compile in the serving loop raises instead (that batch then runs
-        eagerly): compiling is for startup only. The flag is process-wide (a per-call stance would be checked
-        on every step); the next capture, of another engine in this process, lifts it while it compiles."""
+        """Prefill first, then decode; each largest first with gc frozen, reporting (i of n, shape, avail mem),
+        inside the compiler's capture window (compiler.capture_window: afterwards a new compile raises)."""
         gc.collect()
         gc.freeze()
-        torch._dynamo.config.error_on_recompile = False
         try:
-            with torch.inference_mode():
+            with capture_window(), torch.inference_mode():
                 for phase in self.phases.values():
                     self._capture_phase(phase, on_progress)
         finally:
             gc.unfreeze()
-            torch._dynamo.config.error_on_recompile = True
 
     def _capture_phase(self, phase: Phase, on_progress) -> None:
         from tqdm.auto import tqdm
@@ -172,13 +159,13 @@ class GraphRunner:
         shape = "num_tokens_per_req=1, bs" if phase.name == "decode" else "num_tokens"
         logger.info(
             f"Capture target {phase.name} {self.kind} graph begin. backend={phase.backend.name}, "
-            f"{shape}={phase.sizes}, avail mem={available_gb(self.device):.2f} GB"
+            f"{shape}={phase.sizes}, avail mem={gib(available_memory_bytes(self.device))}"
         )
         desc = "Capturing batches" if phase.name == "decode" else "Capturing num tokens"
         bar = tqdm(sizes, desc=desc, leave=False)
         for i, size in enumerate(bar):
             avail = available_gb(self.device)
-            bar.set_description(f"{desc} ({phase.unit}={size} avail_mem={avail:.2f} GB)")
+            bar.set_description(f"{desc} ({phase.unit}={size} avail_mem={avail:.2f} GiB)")
             if on_progress:
                 on_progress({"graph": phase.name, "shape": f"{phase.unit}={size}", "done": i, "total": len(sizes),
                              "avail_mem_gb": round(avail, 2)})  # fmt: skip
@@ -189,14 +176,14 @@ class GraphRunner:
         )
         logger.info(
             f"Capture target {phase.name} {self.kind} graph end. elapsed={phase.seconds:.2f} s, "
-            f"mem usage={phase.mem_bytes / GIB:.2f} GB, avail mem={available_gb(self.device):.2f} GB."
+            f"mem usage={gib(phase.mem_bytes)}, avail mem={gib(available_memory_bytes(self.device))}."
         )
 
     def _capture_one(self, phase: Phase, size: int) -> ShapeRecord:
-        t0, mem0, cache0 = time.perf_counter(), used_memory_bytes(self.device), _compile_cache_counts()
+        t0, mem0, cache0 = time.perf_counter(), used_memory_bytes(self.device), compile_cache_counts()
         phase.backend.capture(size)
         rec = ShapeRecord(size, time.perf_counter() - t0, max(0, used_memory_bytes(self.device) - mem0))
-        hits, misses = (now - before for now, before in zip(_compile_cache_counts(), cache0))
+        hits, misses = (now - before for now, before in zip(compile_cache_counts(), cache0))
         rec.cache_hit = hits > 0 and misses == 0
         if phase.backend.compiled:
             self._measure_payoff(phase, rec)
@@ -207,9 +194,9 @@ class GraphRunner:
         MAX_SLOWDOWN) is dropped. Code loaded from the cache reuses the times measured when it was compiled."""
         if phase.name == "decode":
             inputs = dummy_decode_inputs(rec.size, CAPTURE_KV_LEN, self.device)
-            fb = decode_batch(inputs)
+            fb = decode_batch(inputs, self.attn.graph_metadata())
         else:
-            fb = dummy_extend_batch(rec.size, self.device)
+            fb = dummy_extend_batch(rec.size, self.device, self.attn)
         earlier = self.payoff.get(phase.name, rec.size) if rec.cache_hit else None
         if earlier is not None:
             phase.backend.replay(rec.size, fb)  # the loaded code runs once before serving
@@ -234,7 +221,7 @@ class GraphRunner:
             phase, n = self.phases.get("decode"), fb.kv_table.shape[0]
             size = bucket_for(phase.sizes, n) if phase else None
             shared_once = size is not None and phase.backend.reads_shared_prefix_once
-            if size is not None and n > 1 and not shared_once and _mostly_shared(fb):
+            if size is not None and n > 1 and not shared_once and fb.attn.mostly_shared:
                 size = None  # the eager path reads KV shared by the batch once: it wins there
         else:
             phase, n = self.phases.get("prefill"), int(fb.input_ids.shape[0])
@@ -273,9 +260,3 @@ def _time_pair(
             rounds = 2 + max(3, min(most, int(budget_s / (times[0][-1] + times[1][-1]))))
         i += 1
     return statistics.median(times[0][2:]) * 1e3, statistics.median(times[1][2:]) * 1e3
-
-
-def _mostly_shared(fb: ForwardBatch) -> bool:
-    """Whether at least half of the batch's KV entries are slots another request also reads (a common prefix)."""
-    entries = int(fb.kv_mask.sum()) if fb.kv_mask is not None else fb.kv_table.numel()
-    return 2 * torch.unique(fb.kv_table).numel() <= entries

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kiln.core.forward_batch import ForwardBatch
-from kiln.core.units import GIB
+from kiln.core.units import gib
+from kiln.distributed import divide, kv_heads_per_rank, tp_size
 from kiln.layers.cpu_gemm import packed_layout_name
-from kiln.loader.weights import load_model
+from kiln.loader.weights import LoadedModel, load_model
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import KVPool
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.models.config import ModelConfig
-from kiln.platform import available_gb, current_rss_bytes
-from kiln.runner.attention import TorchAttentionBackend
+from kiln.platform import available_memory_bytes, current_rss_bytes
+from kiln.runner.attention import AttentionBackend, make_attention_backend
 
 logger = logging.getLogger("kiln")
 
@@ -37,14 +38,16 @@ class ModelRunner:
         self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, device
         self.measured: dict[str, int] = {}
         self.graphs = None  # a GraphRunner once decode graphs were captured
+        self.attn_backend: AttentionBackend | None = None  # chosen with the KV pool it reads
         self.last_forward_graph = False
 
+    def _avail(self) -> str:
+        return gib(available_memory_bytes(self.device))
+
     def load(self, max_positions: int, on_progress=None, prepack: bool = True) -> None:
-        before = available_gb(self.device)
-        logger.info(f"Load weight begin. avail mem={before:.2f} GB")
-        self.model = load_model(
-            self.model_config, self.dtype, self.device, max_positions, on_progress, prepack
-        )
+        logger.info(f"Load weight begin. avail mem={self._avail()}")
+        loaded = load_model(self.model_config, self.dtype, self.device, max_positions, on_progress, prepack)
+        self.model = loaded.model
         params = dict(self.model.named_parameters())  # shared (tied) parameters once
         head_copy = params.pop("lm_head.packed_weight", None)
         weight_bytes = sum(p.nbytes for p in params.values())
@@ -52,45 +55,46 @@ class ModelRunner:
         if head_copy is not None:
             self.measured["packed_lm_head"] = head_copy.nbytes
             weight_bytes += head_copy.nbytes
-        if getattr(self.model, "prepacked_weights", 0):
-            layout = packed_layout_name()
-            quantized = sum(p.dtype == torch.uint8 for p in params.values()) + (
-                head_copy is not None and head_copy.dtype == torch.uint8
-            )
-            kept = f", {quantized} of them in their GGUF blocks (Q4_1 / Q8_0)" if quantized else ""
-            logger.info(
-                f"Prepacked {self.model.prepacked_weights} linear weights into {layout} CPU layout{kept}."
-            )
+        if loaded.prepacked_weights:
+            self._log_prepacked(loaded, params, head_copy)
         logger.info(
-            f"Load weight end. elapsed={self.model.load_seconds:.2f} s, type={self.model_config.architecture}, "
-            f"dtype={self.dtype}, avail mem={available_gb(self.device):.2f} GB, mem usage={weight_bytes / GIB:.2f} GB."
+            f"Load weight end. elapsed={loaded.seconds:.2f} s, type={self.model_config.architecture}, "
+            f"dtype={self.dtype}, avail mem={self._avail()}, mem usage={gib(weight_bytes)}."
+        )
+
+    @staticmethod
+    def _log_prepacked(loaded: LoadedModel, params: dict, head_copy: torch.Tensor | None) -> None:
+        quantized = sum(p.dtype == torch.uint8 for p in params.values()) + (
+            head_copy is not None and head_copy.dtype == torch.uint8
+        )
+        kept = f", {quantized} of them in their GGUF blocks (Q4_1 / Q8_0)" if quantized else ""
+        logger.info(
+            f"Prepacked {loaded.prepacked_weights} linear weights into {packed_layout_name()} CPU layout{kept}."
         )
 
     def init_memory_pool(self, sizes: PoolSizes) -> None:
-        cfg = self.model_config
-        from kiln.distributed import tp_size
-
-        kv_heads = max(1, cfg.num_kv_heads // tp_size())
+        cfg, tp = self.model_config, tp_size()
         self.kv_pool = KVPool(
             sizes.max_total_num_tokens,
             sizes.page_size,
             cfg.num_layers,
-            kv_heads,
+            kv_heads_per_rank(cfg.num_kv_heads, tp),
             cfg.head_dim,
             self.kv_dtype,
             self.device,
         )
         self.table = ReqToTokenPool(sizes.max_running_requests, sizes.context_len, self.device)
         self.allocator = TokenAllocator(sizes.max_total_num_tokens, sizes.page_size, self.device)
-        self.model.attn = TorchAttentionBackend(self.kv_pool)
+        self.attn_backend = make_attention_backend(self.kv_pool, divide(cfg.num_heads, tp), self.dtype)
+        self.model.attn = self.attn_backend
         self.measured["kv_pool"] = self.kv_pool.k_bytes + self.kv_pool.v_bytes
         self.measured["req_table"] = self.table.req_to_token.nbytes
         self.measured["rss_after_pool"] = current_rss_bytes()
         logger.info(
             f"KV Cache is allocated. dtype: {self.kv_dtype}, #tokens: {sizes.max_total_num_tokens}, "
-            f"K size: {self.kv_pool.k_bytes / GIB:.2f} GB, V size: {self.kv_pool.v_bytes / GIB:.2f} GB"
+            f"K size: {gib(self.kv_pool.k_bytes)}, V size: {gib(self.kv_pool.v_bytes)}"
         )
-        logger.info(f"Memory pool end. avail mem={available_gb(self.device):.2f} GB")
+        logger.info(f"Memory pool end. avail mem={self._avail()}")
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -99,6 +103,8 @@ class ModelRunner:
         # inference mode is entered here, not inside the model: a compiled step that entered it itself would
         # bypass AOTAutograd's cache, and a warm start would lower it again
         with torch.inference_mode():
+            # once per step, before graphs or the model: every layer and the graph runner read the same metadata
+            fb = replace(fb, attn=self.attn_backend.prepare_metadata(fb))
             logits = self.graphs.try_run(fb) if self.graphs is not None else None
             self.last_forward_graph = logits is not None
             if logits is None:

@@ -1,9 +1,11 @@
-"""Messages between the front (HTTP / in-process API) and the scheduler. One set serves both; each is a
-tagged dataclass that pickles over ZMQ."""
+"""Every message that crosses a process boundary, in one module: requests and outputs between the front (HTTP
+or the in-process API) and the scheduler, the scheduler's stats snapshot, the engine's startup reports and its
+server info. Each is a dataclass that pickles over ZMQ or a multiprocessing queue, so both sides read fields
+by name instead of indexing tuples or dicts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kiln.sampling_params import SamplingParams
@@ -33,14 +35,7 @@ class ControlReq:
     cid: int = 0
 
 
-@dataclass
-class ControlOut:
-    cid: int
-    ok: bool
-    data: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
+@dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
     logprob: float
@@ -66,6 +61,137 @@ class ReqOutput:
 
 
 @dataclass
+class OutputAccumulator:
+    """One request's outputs summed as they arrive: the deltas joined, and the latest output (which carries
+    the token counts and, once finished, the finish reason)."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: ReqOutput | None = None
+
+    def add(self, out: ReqOutput) -> None:
+        self.text += out.text_delta
+        self.ids.extend(out.new_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.last = out
+
+    @property
+    def output(self) -> ReqOutput:
+        """The latest output; only asked for once at least one arrived (every request ends with one)."""
+        assert self.last is not None, "no output yet"
+        return self.last
+
+
+# ---------------------------------------------------------------------------------------------- stats
+@dataclass
+class RequestCounters:
+    """What the scheduler has counted since it started. The scheduler alone increments these; everyone else
+    sees them as part of a SchedulerStats snapshot."""
+
+    decode_steps: int = 0
+    retracted: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    failed: int = 0
+
+
+COUNTER_NAMES = tuple(f.name for f in fields(RequestCounters))
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's gauges and counters at one step, sent with every output batch and heartbeat (for
+    /metrics) and with the server info. Zero everywhere until the engine's first report."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    token_usage: float = 0.0  # used_tokens as a fraction of the pool
+    used_tokens: int = 0  # pool tokens held by running requests and by the prefix cache
+    cache_tokens: int = 0  # tokens held by the prefix cache
+    integrity_violations: int = 0
+    decode_steps: int = 0
+    retracted: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    failed: int = 0
+
+    def counters(self) -> dict[str, int]:
+        """The counters alone, by name (the `stats` object of /get_server_info)."""
+        return {name: getattr(self, name) for name in COUNTER_NAMES}
+
+
+@dataclass
 class BatchOut:
     outputs: list[ReqOutput]
-    stats: dict[str, Any] = field(default_factory=dict)  # the scheduler's gauges and counters at this step
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+
+# ---------------------------------------------------------------------------------------------- server info
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the engine resolved at startup, and the memory it measured against the ledger's prediction."""
+
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+    chunked_prefill_size: int | None
+    vocab_size: int
+    device: str
+    ledger: dict[str, Any]  # Ledger.to_dict()
+    measured: dict[str, int]  # bytes per allocation, as measured
+    memory_check: list[dict[str, Any]]  # kiln.memory.measure.memory_check rows
+    graphs: dict[str, Any] | None  # the captured graphs' summary; None without graphs
+    pid: int
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """The answer to ControlReq("server_info"): the startup info as of now, the scheduler's stats and a fresh
+    KV pool integrity report."""
+
+    info: ServerInfo
+    stats: SchedulerStats
+    integrity: dict[str, Any]  # KVManager.integrity's report
+
+
+@dataclass
+class ControlOut:
+    cid: int
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    state: EngineState | None = None  # set in the answer to server_info
+
+
+# ---------------------------------------------------------------------------------------------- startup
+@dataclass(frozen=True)
+class PhaseEntered:
+    """The engine began a startup phase (kiln.server.startup.PHASES)."""
+
+    name: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Progress inside the current phase (weights loaded, graphs captured so far)."""
+
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    info: ServerInfo
+
+
+@dataclass(frozen=True)
+class StartupFailed:
+    reason: str
+    traceback: str
+
+
+StartupMessage = PhaseEntered | Progress | EngineReady | StartupFailed

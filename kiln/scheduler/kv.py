@@ -28,6 +28,10 @@ class KVManager:
     def evictable_tokens(self) -> int:
         return self.cache.evictable_size()
 
+    def cache_tokens(self) -> int:
+        """Tokens held by the prefix cache, locked or not."""
+        return self.cache.total_size()
+
     def ensure_free(self, n: int) -> bool:
         short = n - self.allocator.available_size()
         if short > 0:

@@ -8,6 +8,7 @@ import logging
 import random
 import time
 from collections import deque
+from dataclasses import asdict
 
 import torch
 
@@ -17,7 +18,7 @@ from kiln.runner.model_runner import ModelRunner
 from kiln.runner.sampler import SamplingRow, sample
 from kiln.sampling_params import InvalidParam
 from kiln.scheduler.batch import build_decode, build_extend
-from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
+from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput, RequestCounters, SchedulerStats
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.prefill import PrefillAdder
@@ -82,15 +83,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.outbox: list[ReqOutput] = []
         self.last_was_prefill = False
-        self.stats = {
-            "decode_steps": 0,
-            "retracted": 0,
-            "aborted": 0,
-            "prompt_tokens": 0,
-            "cached_tokens": 0,
-            "generation_tokens": 0,
-            "failed": 0,
-        }
+        self.counters = RequestCounters()
         self.integrity_violations = 0
         self._decode_tokens_since_log = 0
         self._decode_log_t0 = time.perf_counter()
@@ -112,7 +105,7 @@ class Scheduler:
         req = Req(msg.rid, list(msg.input_ids), p, detok, gen, msg.stream, msg.deadline)
         self.reqs[req.rid] = req
         self.waiting.append(req)
-        self.stats["prompt_tokens"] += len(req.input_ids)
+        self.counters.prompt_tokens += len(req.input_ids)
 
     def abort(self, msg: AbortReq) -> None:
         targets = (
@@ -135,7 +128,10 @@ class Scheduler:
         self.kv.release(req)
         req.finish_reason = {"type": "abort", "message": message}
         req.error = error
-        self.stats["failed" if error else "aborted"] += 1
+        if error:
+            self.counters.failed += 1
+        else:
+            self.counters.aborted += 1
         self._emit(req)
 
     # ------------------------------------------------------------------ the loop
@@ -155,6 +151,10 @@ class Scheduler:
         elif self.running:
             self._run_decode()
             self.last_was_prefill = False
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[ReqOutput]:
+        """The outputs produced since the last step or take, handed over once."""
         out, self.outbox = self.outbox, []
         return out
 
@@ -252,7 +252,7 @@ class Scheduler:
             return
         for r in self.running:
             r.kv_len += 1
-        self.stats["decode_steps"] += 1
+        self.counters.decode_steps += 1
         self.new_token_ratio = max(
             self.min_ratio,
             self.new_token_ratio - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
@@ -280,7 +280,7 @@ class Scheduler:
         for r in reversed(retracted):
             self.waiting.appendleft(r)
         if retracted:
-            self.stats["retracted"] += len(retracted)
+            self.counters.retracted += len(retracted)
             old = self.new_token_ratio
             decoded = sum(len(r.output_ids) for r in self.running)
             budget = sum(r.params.max_new_tokens for r in self.running)
@@ -303,7 +303,7 @@ class Scheduler:
         result = sample(logits, rows)
         for i, r in enumerate(reqs):
             self.out.append_token(r, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i])
-            self.stats["generation_tokens"] += 1
+            self.counters.generation_tokens += 1
             if r.finished:
                 self.running.remove(r)
                 self._finish(r)
@@ -316,12 +316,18 @@ class Scheduler:
 
     def _emit(self, req: Req) -> None:
         self.reqs.pop(req.rid, None)
-        self.stats["cached_tokens"] += req.cached_tokens
+        self.counters.cached_tokens += req.cached_tokens
         self.outbox.append(self.out.flush_output(req))
 
     def fail_all(self, error: str) -> None:
         for r in list(self.reqs.values()):
             self._finish_abort(r, "internal error", error=error)
+
+    def fail_request(self, rid: str, input_len: int, error: str) -> None:
+        """A request that failed before it was queued (its message could not be handled): answered with the
+        error and counted as failed, like one that failed inside a step."""
+        self.counters.failed += 1
+        self.outbox.append(self.out.error_output(rid, input_len, error))
 
     def _fail_batch(self, reqs: list[Req], exc: Exception) -> None:
         logger.exception(f"forward failed for {len(reqs)} request(s): {exc!r}")
@@ -338,7 +344,7 @@ class Scheduler:
 
     def _log_decode(self, batch: int) -> None:
         self._decode_tokens_since_log += batch
-        if self.stats["decode_steps"] % self.decode_log_interval:
+        if self.counters.decode_steps % self.decode_log_interval:
             return
         now = time.perf_counter()
         tput = self._decode_tokens_since_log / max(now - self._decode_log_t0, 1e-9)
@@ -361,16 +367,17 @@ class Scheduler:
             live.append(self.chunked)
         return live
 
-    def gauges(self) -> dict:
-        """Counters and gauges for /metrics, sent with every output batch and heartbeat."""
-        return {
-            **self.stats,
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "token_usage": self.token_usage(),
-            "used_tokens": self.used_tokens(),
-            "integrity_violations": self.integrity_violations,
-        }
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the gauges and counters, for /metrics and the server info."""
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            token_usage=self.token_usage(),
+            used_tokens=self.used_tokens(),
+            cache_tokens=self.kv.cache_tokens(),
+            integrity_violations=self.integrity_violations,
+            **asdict(self.counters),
+        )
 
     def check_integrity(self) -> dict:
         report = self.kv.integrity(self.live_reqs())

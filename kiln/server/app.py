@@ -6,20 +6,25 @@ import json
 import logging
 import uuid
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam
+from kiln.scheduler.io import EngineState, ServerInfo
 from kiln.server.engine_client import EngineClient
 from kiln.server.openai_api import EngineRequestError, OpenAIServing
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from kiln.server.responses import ModelNotFound, QueueFull
 from kiln.server.startup import StartupState
+
+if TYPE_CHECKING:
+    from kiln.server.metrics import Metrics
 
 logger = logging.getLogger("kiln")
 OPEN_PATHS = {"/live", "/ready", "/health", "/health_generate", "/status", "/metrics"}
@@ -32,11 +37,11 @@ class ServerState:
     startup: StartupState
     client: EngineClient | None = None
     serving: OpenAIServing | None = None
-    info: dict | None = None
+    info: ServerInfo | None = None
     model_name: str = ""
     shutting_down: bool = False
     stalled: str | None = None  # why the engine is considered stuck, if it is
-    metrics: object | None = None
+    metrics: Metrics | None = None
 
 
 def _err(
@@ -48,9 +53,46 @@ def _err(
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Kiln")
     app.state.kiln = state
-
     app.add_middleware(GateMiddleware, state=state)
+    _add_error_handlers(app, state)
+    _add_probes(app, state)
+    _add_openai_routes(app, state)
+    _add_control_routes(app, state)
+    return app
 
+
+class EngineNotReady(Exception):
+    """A route that needs the engine was called before startup finished."""
+
+
+def _serving(state: ServerState) -> OpenAIServing:
+    if state.serving is None:
+        raise EngineNotReady()
+    return state.serving
+
+
+async def json_object(request: Request, not_object: InvalidParam) -> dict:
+    """The request body as a JSON object: an empty body is {}, malformed JSON is refused naming `body`, and a
+    body that is valid JSON but no object is refused with `not_object` (each route names its own remedy)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise InvalidParam("body", f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise not_object
+    return data
+
+
+async def _parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    data = await json_object(request, InvalidParam("body", "the body must be a JSON object"))
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
         errors = exc.errors()
@@ -97,33 +139,12 @@ def create_app(state: ServerState) -> FastAPI:
             500, f"internal error while processing the request (error id {eid})", None, "internal_error"
         )
 
-    def serving() -> OpenAIServing:
-        if state.serving is None:
-            raise _NotReady()
-
-        return state.serving
-
-    class _NotReady(Exception):
-        pass
-
-    @app.exception_handler(_NotReady)
-    async def on_not_ready(request: Request, exc: _NotReady):
+    @app.exception_handler(EngineNotReady)
+    async def on_not_ready(request: Request, exc: EngineNotReady):
         return _err(503, f"the engine is not up yet (phase: {state.startup.phase})", None, "unavailable")
 
-    async def _body(request: Request, model):
-        raw = await request.body()
-        try:
-            data = json.loads(raw) if raw else {}
-        except json.JSONDecodeError as e:
-            raise InvalidParam("body", f"malformed JSON body: {e}") from None
-        if not isinstance(data, dict):
-            raise InvalidParam("body", "the body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
 
-    # ---------------------------------------------------------------- probes
+def _add_probes(app: FastAPI, state: ServerState) -> None:
     @app.get("/live")
     async def live():
         return {"status": "alive"}
@@ -152,7 +173,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def status():
         return state.startup.to_dict()
 
-    # ---------------------------------------------------------------- OpenAI
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(state)]}
@@ -165,19 +187,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving().completions(await _body(request, CompletionRequest), request)
+        return await _serving(state).completions(await _parse_body(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await serving().chat(await _body(request, ChatCompletionRequest), request)
+        return await _serving(state).chat(await _parse_body(request, ChatCompletionRequest), request)
 
     @app.post("/generate")
     async def generate(request: Request):
-        return await serving().generate(await _body(request, GenerateRequest), request)
+        return await _serving(state).generate(await _parse_body(request, GenerateRequest), request)
 
-    # ---------------------------------------------------------------- control
+
+def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     async def flush_cache():
-        out = await serving().client.control("flush_cache")
+        out = await _serving(state).client.control("flush_cache")
         if out.ok:
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
@@ -188,8 +211,12 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info():
-        out = await serving().client.control("server_info")
-        return {"server_args": asdict(state.args), **out.data, "startup": state.startup.to_dict()}
+        engine = await _serving(state).client.engine_state()
+        return {
+            "server_args": asdict(state.args),
+            **server_info_json(engine),
+            "startup": state.startup.to_dict(),
+        }
 
     @app.get("/get_model_info")
     @app.get("/model_info")
@@ -202,17 +229,26 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else {}
-        except json.JSONDecodeError as e:
-            raise InvalidParam("body", f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict) or ("rid" not in body and not body.get("abort_all")):
-            raise InvalidParam("rid", "give rid or abort_all: true")
-        serving().client.abort(body.get("rid"), bool(body.get("abort_all")))
+        give_rid = InvalidParam("rid", "give rid or abort_all: true")
+        body = await json_object(request, give_rid)
+        if "rid" not in body and not body.get("abort_all"):
+            raise give_rid
+        _serving(state).client.abort(body.get("rid"), bool(body.get("abort_all")))
         return {"success": True}
 
-    return app
+
+def server_info_json(engine: EngineState) -> dict:
+    """The engine's part of /get_server_info: the startup info's fields, then the live figures."""
+    stats = engine.stats
+    return {
+        **asdict(engine.info),
+        "num_running_reqs": stats.num_running_reqs,
+        "num_waiting_reqs": stats.num_waiting_reqs,
+        "token_usage": stats.token_usage,
+        "integrity": engine.integrity,
+        "stats": stats.counters(),
+        "cache_tokens": stats.cache_tokens,
+    }
 
 
 class GateMiddleware:
@@ -246,12 +282,11 @@ class GateMiddleware:
 
 
 def _model_card(state: ServerState) -> dict:
-    info = state.info or {}
     return {
         "id": state.model_name,
         "object": "model",
         "created": 0,
         "owned_by": "kiln",
         "root": state.model_name,
-        "max_model_len": info.get("context_len"),
+        "max_model_len": state.info.context_len if state.info is not None else None,
     }

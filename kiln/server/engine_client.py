@@ -14,7 +14,18 @@ import zmq
 import zmq.asyncio
 
 from kiln.sampling_params import SamplingParams
-from kiln.scheduler.io import AbortReq, BatchOut, ControlOut, ControlReq, GenerateReq, ReqOutput
+from kiln.scheduler.fanout import prefill_only_params
+from kiln.scheduler.io import (
+    AbortReq,
+    BatchOut,
+    ControlOut,
+    ControlReq,
+    EngineState,
+    GenerateReq,
+    OutputAccumulator,
+    ReqOutput,
+    SchedulerStats,
+)
 
 logger = logging.getLogger("kiln")
 
@@ -32,7 +43,7 @@ class EngineClient:
         self.last_output_time = time.time()
         self._task: asyncio.Task | None = None
         self.metrics = None  # a kiln.server.metrics.Metrics, when /metrics is on
-        self.engine_stats: dict = {}
+        self.engine_stats = SchedulerStats()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._recv_loop())
@@ -101,19 +112,16 @@ class EngineClient:
         params: SamplingParams,
         rid: str | None = None,
         deadline: float | None = None,
-    ) -> tuple[str, list[int], list, ReqOutput]:
-        text, ids, logprobs, last = "", [], [], None
+    ) -> OutputAccumulator:
+        result = OutputAccumulator()
         async for out in self.generate(input_ids, params, False, rid, deadline):
-            text += out.text_delta
-            ids.extend(out.new_ids)
-            logprobs.extend(out.logprobs or [])
-            last = out
-        assert last is not None
-        return text, ids, logprobs, last
+            result.add(out)
+        assert result.last is not None
+        return result
 
     async def prefill_only(self, input_ids: list[int]) -> None:
         """Compute a prompt's KV once so that n samples share it through the prefix cache."""
-        await self.collect(input_ids, SamplingParams(max_new_tokens=0))
+        await self.collect(input_ids, prefill_only_params())
 
     def abort(
         self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by the client"
@@ -129,6 +137,13 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.controls.pop(cid, None)
+
+    async def engine_state(self, timeout: float = 30.0) -> EngineState:
+        """The engine's server info, stats and a fresh integrity report."""
+        out = await self.control("server_info", timeout)
+        if out.state is None:
+            raise RuntimeError(f"the engine answered server_info without its state: {out.data}")
+        return out.state
 
     def close(self) -> None:
         if self._task:

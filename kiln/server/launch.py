@@ -17,6 +17,7 @@ import uvicorn
 from kiln.config import ServerArgs
 from kiln.core.logs import configure_logging
 from kiln.scheduler.engine_proc import engine_main
+from kiln.scheduler.io import EngineReady, PhaseEntered, Progress, ServerInfo, StartupFailed
 from kiln.scheduler.validate import Limits
 from kiln.server.app import ServerState, create_app
 from kiln.server.engine_client import EngineClient
@@ -67,7 +68,7 @@ class Launcher:
         )
         self.proc.start()
 
-    async def _engine_startup(self) -> dict | None:
+    async def _engine_startup(self) -> ServerInfo | None:
         """Follows the engine's phases until it is ready; a phase silent past --watchdog-timeout fails startup."""
         st, loop = self.state.startup, asyncio.get_running_loop()
         last_event = time.time()
@@ -93,15 +94,16 @@ class Launcher:
                     return None
                 continue
             last_event = time.time()
-            if msg[0] == "phase":
-                st.enter(msg[1], **msg[2])
-            elif msg[0] == "progress":
-                st.step(**msg[1])
-            elif msg[0] == "error":
-                self.die(msg[1], hint=_hint(msg[1]))
-                return None
-            elif msg[0] == "ready":
-                return msg[1]
+            match msg:
+                case PhaseEntered(name=name, info=info):
+                    st.enter(name, **info)
+                case Progress(info=info):
+                    st.step(**info)
+                case StartupFailed(reason=reason):
+                    self.die(reason, hint=_hint(reason))
+                    return None
+                case EngineReady(info=info):
+                    return info
 
     async def bring_up(self) -> None:
         try:
@@ -119,19 +121,19 @@ class Launcher:
         if info is None:
             return
         self.state.info = info
-        self.state.startup.ledger = info.get("ledger")
-        self.state.startup.graphs = info.get("graphs")
+        self.state.startup.ledger = info.ledger
+        self.state.startup.graphs = info.graphs
         tokenizer = await tokenizer_future
         client = EngineClient(self.engine_addr, self.front_addr)
         if not self.args.disable_metrics:
             from kiln.server.metrics import Metrics
 
-            self.state.metrics = client.metrics = Metrics({**info["ledger"], **info})
+            self.state.metrics = client.metrics = Metrics(info)
         client.start()
         self.state.client = client
-        limits = Limits(info["vocab_size"], info["context_len"], info["max_total_num_tokens"])
+        limits = Limits(info.vocab_size, info.context_len, info.max_total_num_tokens)
         max_in_flight = (
-            info["max_running_requests"] + self.args.max_queued_requests
+            info.max_running_requests + self.args.max_queued_requests
             if self.args.max_queued_requests is not None
             else None
         )
@@ -149,7 +151,7 @@ class Launcher:
         from kiln.sampling_params import SamplingParams
 
         try:
-            _, _, _, last = await asyncio.wait_for(
+            result = await asyncio.wait_for(
                 client.collect(
                     tokenizer.encode(WARMUP_PROMPT), SamplingParams(max_new_tokens=8, temperature=0)
                 ),
@@ -158,18 +160,18 @@ class Launcher:
         except Exception as e:  # noqa: BLE001 - any failure here is a failed startup
             self.die(f"warm-up request failed: {e!r}")
             return False
-        if last.error:
-            self.die(f"warm-up request failed: {last.error}")
+        if result.output.error:
+            self.die(f"warm-up request failed: {result.output.error}")
             return False
         return True
 
     async def _report_memory(self, client: EngineClient) -> None:
         from kiln.memory.measure import format_check
 
-        out = await client.control("server_info")
-        self.state.info.update(out.data)
-        self.state.startup.memory_check = out.data.get("memory_check")
-        logger.info(f"Memory check (ledger vs measured): {format_check(out.data.get('memory_check', []))}")
+        info = (await client.engine_state()).info
+        self.state.info = info
+        self.state.startup.memory_check = info.memory_check
+        logger.info(f"Memory check (ledger vs measured): {format_check(info.memory_check)}")
 
     async def watch_engine(self) -> None:
         """After startup: the engine must stay alive, and answer within --watchdog-timeout while it has work."""
@@ -210,8 +212,8 @@ class Launcher:
                 msg = self.status_q.get_nowait()
             except (queue.Empty, OSError, EOFError):
                 break
-            if msg[0] == "phase":
-                self.state.startup.enter(msg[1], **msg[2])
+            if isinstance(msg, PhaseEntered):
+                self.state.startup.enter(msg.name, **msg.info)
         self.die(
             f"the engine process exited with code {self.proc.exitcode} during {self.state.startup.phase}"
         )

@@ -8,13 +8,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kiln.scheduler.io import SchedulerStats, ServerInfo
+
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
-# engine gauge/counter name -> (metric name, help, kind)
+# SchedulerStats field -> (metric name, help, kind)
 ENGINE_FIELDS = {
-    "running": ("kiln:num_running_reqs", "requests in the running batch", "gauge"),
-    "waiting": ("kiln:num_queue_reqs", "requests waiting to be scheduled", "gauge"),
+    "num_running_reqs": ("kiln:num_running_reqs", "requests in the running batch", "gauge"),
+    "num_waiting_reqs": ("kiln:num_queue_reqs", "requests waiting to be scheduled", "gauge"),
     "token_usage": ("kiln:token_usage", "fraction of the KV pool in use (running + cached)", "gauge"),
     "used_tokens": ("kiln:num_used_tokens", "KV pool tokens in use (running + cached)", "gauge"),
     "prompt_tokens": ("kiln:prompt_tokens_total", "prompt tokens received", "counter"),
@@ -39,11 +41,11 @@ class _EngineCollector:
     """Exposes the engine's latest gauges and counters with their proper Prometheus types."""
 
     def __init__(self) -> None:
-        self.stats: dict = {}
+        self.stats = SchedulerStats()
 
     def collect(self):
         for key, (name, doc, kind) in ENGINE_FIELDS.items():
-            value = float(self.stats.get(key, 0))
+            value = float(getattr(self.stats, key))
             if kind == "counter":
                 yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
             else:
@@ -51,7 +53,7 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, ledger: dict | None = None):
+    def __init__(self, info: ServerInfo | None = None):
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram(
             "kiln:time_to_first_token_seconds", "time to first token", buckets=_LAT, registry=r
@@ -78,14 +80,15 @@ class Metrics:
             "kiln:ledger_bytes", "the memory ledger's predicted bytes per rank", ["line"], registry=r
         )
         for name in ("max_total_num_tokens", "max_running_requests", "context_len"):
-            Gauge(f"kiln:{name}", f"resolved {name}", registry=r).set((ledger or {}).get(name, 0))
-        for line in (ledger or {}).get("lines", []):
+            Gauge(f"kiln:{name}", f"resolved {name}", registry=r).set(getattr(info, name, 0))
+        lines = info.ledger.get("lines", []) if info is not None else []
+        for line in lines:
             self.ledger.labels(line=line["name"]).set(line["bytes"])
 
-    def update_engine(self, stats: dict) -> None:
+    def update_engine(self, stats: SchedulerStats) -> None:
         self.engine.stats = stats
-        if stats.get("prompt_tokens"):
-            self.hit_rate.set(stats.get("cached_tokens", 0) / stats["prompt_tokens"])
+        if stats.prompt_tokens:
+            self.hit_rate.set(stats.cached_tokens / stats.prompt_tokens)
 
     def observe_output(
         self,

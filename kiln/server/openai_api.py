@@ -8,13 +8,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.sampling_params import InvalidParam, SamplingParams
-from kiln.scheduler.io import ReqOutput
+from kiln.scheduler.fanout import FanOut, Sample, fan_out
+from kiln.scheduler.io import OutputAccumulator, ReqOutput
 from kiln.scheduler.validate import Limits, validate_request
 from kiln.server.engine_client import EngineClient
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -28,16 +28,6 @@ from kiln.server.responses import (
     usage,
 )
 from kiln.text.tokenizer import apply_chat_template
-
-
-@dataclass
-class Job:
-    """One generation: prompt `index`, sample `sample` of n."""
-
-    index: int
-    input_ids: list[int]
-    params: SamplingParams
-    rid: str | None = None
 
 
 def sse(obj) -> str:
@@ -65,7 +55,7 @@ class OpenAIServing:
         if name is not None and name != self.model_name:
             raise ModelNotFound(name, self.model_name)
 
-    # ------------------------------------------------------------------ building jobs
+    # ------------------------------------------------------------------ building the plan
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         try:
             text.encode("utf-8")
@@ -75,43 +65,34 @@ class OpenAIServing:
             ) from None
         return list(self.tokenizer.encode(text))
 
-    def _jobs(
+    def _plan(
         self,
         prompts: list[list[int]],
         params: SamplingParams,
         default_max: int | None,
         rid: str | list[str] | None = None,
-    ) -> list[Job]:
+    ) -> FanOut:
+        """Every prompt's own params, validated against the limits, fanned out into its n samples; refused
+        when a client's request id is in use or the queue has no room for them all."""
         if not prompts:
             raise InvalidParam("prompt", "the prompt is empty: send at least one prompt")
-        jobs = []
-        for i, ids in enumerate(prompts):
+        per_prompt = []
+        for ids in prompts:
             p = SamplingParams(**{**params.__dict__})
             if default_max is None:  # "as many as fit": the context or the pool, whichever is smaller
                 p.max_new_tokens = max(
                     1, min(self.limits.context_len, self.limits.max_total_tokens) - len(ids)
                 )
             validate_request(ids, p, self.limits)
-            jobs.extend(Job(i, ids, p) for _ in range(p.n))
-        self._assign_rids(jobs, rid)
+            per_prompt.append(p)
+        plan = fan_out(prompts, per_prompt, _client_rids(rid, sum(p.n for p in per_prompt)))
+        for sample in plan.samples:
+            if sample.rid is not None and sample.rid in self.client.queues:
+                raise InvalidParam("rid", f"request id {sample.rid!r} is already in use")
         active = self.client.num_active
-        if self.max_in_flight is not None and active + len(jobs) > self.max_in_flight:
+        if self.max_in_flight is not None and active + len(plan.samples) > self.max_in_flight:
             raise QueueFull(active, self.max_in_flight)
-        return jobs
-
-    def _assign_rids(self, jobs: list[Job], rid: str | list[str] | None) -> None:
-        """A client's request id names its request (for /abort_request); several generations get -k suffixes."""
-        if rid is None:
-            return
-        rids = [rid] if isinstance(rid, str) else list(rid)
-        if len(rids) == 1 and len(jobs) > 1:
-            rids = [f"{rids[0]}-{k}" for k in range(len(jobs))]
-        if len(rids) != len(jobs):
-            raise InvalidParam("rid", f"got {len(rids)} request ids for {len(jobs)} generations")
-        for job, r in zip(jobs, rids):
-            if r in self.client.queues:
-                raise InvalidParam("rid", f"request id {r!r} is already in use")
-            job.rid = r
+        return plan
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -124,23 +105,22 @@ class OpenAIServing:
             return [self.encode(p) for p in prompt]
         return [list(p) for p in prompt]
 
-    # ------------------------------------------------------------------ running jobs
+    # ------------------------------------------------------------------ running the samples
     def _deadline(self) -> float | None:
         return time.time() + self.request_timeout if self.request_timeout else None
 
-    async def _warm_prefixes(self, jobs: list[Job]) -> None:
-        seen = set()
-        for j in jobs:
-            if j.params.n > 1 and j.index not in seen:
-                seen.add(j.index)
-                await self.client.prefill_only(j.input_ids)
+    async def _warm_prefixes(self, plan: FanOut) -> None:
+        for ids in plan.warm:
+            await self.client.prefill_only(ids)
 
-    async def _run_all(self, jobs: list[Job], raw: Request) -> list[tuple[str, list[int], list, ReqOutput]]:
-        """Runs every job to the end; a client disconnect cancels (and so aborts) them all."""
-        await self._warm_prefixes(jobs)
+    async def _run_all(self, plan: FanOut, raw: Request) -> list[OutputAccumulator]:
+        """Runs every sample to the end; a client disconnect cancels (and so aborts) them all."""
+        await self._warm_prefixes(plan)
         deadline = self._deadline()
         gather = asyncio.ensure_future(
-            asyncio.gather(*(self.client.collect(j.input_ids, j.params, j.rid, deadline) for j in jobs))
+            asyncio.gather(
+                *(self.client.collect(s.input_ids, s.params, s.rid, deadline) for s in plan.samples)
+            )
         )
         while not gather.done():
             done, _ = await asyncio.wait({gather}, timeout=0.25)
@@ -149,17 +129,19 @@ class OpenAIServing:
                 raise asyncio.CancelledError("client disconnected")
         return gather.result()
 
-    async def _stream_all(self, jobs: list[Job]) -> AsyncIterator[tuple[int, ReqOutput]]:
-        await self._warm_prefixes(jobs)
+    async def _stream_all(self, plan: FanOut) -> AsyncIterator[tuple[int, ReqOutput]]:
+        await self._warm_prefixes(plan)
         queue: asyncio.Queue = asyncio.Queue()
         deadline = self._deadline()
 
-        async def pump(k: int, job: Job) -> None:
-            async for out in self.client.generate(job.input_ids, job.params, True, job.rid, deadline):
+        async def pump(k: int, sample: Sample) -> None:
+            async for out in self.client.generate(
+                sample.input_ids, sample.params, True, sample.rid, deadline
+            ):
                 queue.put_nowait((k, out))
 
-        tasks = [asyncio.ensure_future(pump(k, j)) for k, j in enumerate(jobs)]
-        remaining = len(jobs)
+        tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(plan.samples)]
+        remaining = len(plan.samples)
         try:
             while remaining:
                 k, out = await queue.get()
@@ -179,12 +161,12 @@ class OpenAIServing:
             req.max_tokens if req.max_tokens is not None else 16, want_lp, req.logprobs or 0
         )
         prompts = self._completion_prompts(req.prompt)
-        jobs = self._jobs(prompts, params, req.max_tokens if req.max_tokens is not None else 16, req.rid)
+        plan = self._plan(prompts, params, req.max_tokens if req.max_tokens is not None else 16, req.rid)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if req.stream:
-            return self._sse(self._completion_stream(jobs, base, req, want_lp))
-        results = await self._run_all(jobs, raw)
+            return self._sse(self._completion_stream(plan, base, req, want_lp))
+        results = await self._run_all(plan, raw)
         choices = self._final_choices(
             results,
             lambda text, lps: {
@@ -192,11 +174,13 @@ class OpenAIServing:
                 "logprobs": logprobs_completion(self.tokenizer, lps) if want_lp else None,
             },
         )
-        return JSONResponse({**base, "choices": choices, "usage": usage(jobs, [r[3] for r in results])})
+        return JSONResponse(
+            {**base, "choices": choices, "usage": usage(plan.samples, [r.output for r in results])}
+        )
 
-    async def _completion_stream(self, jobs, base, req, want_lp) -> AsyncIterator[str]:
+    async def _completion_stream(self, plan: FanOut, base, req, want_lp) -> AsyncIterator[str]:
         lasts = {}
-        async for k, out in self._stream_all(jobs):
+        async for k, out in self._stream_all(plan):
             lasts[k] = out
             choice = {
                 "index": k,
@@ -207,7 +191,9 @@ class OpenAIServing:
             if out.text_delta or out.finished or (want_lp and out.logprobs):
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(jobs, [lasts[k] for k in sorted(lasts)])})
+            yield sse(
+                {**base, "choices": [], "usage": usage(plan.samples, [lasts[k] for k in sorted(lasts)])}
+            )
         yield "data: [DONE]\n\n"
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -229,11 +215,11 @@ class OpenAIServing:
         if top and not req.logprobs:
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
         params = req.sampling_params(max_tokens or 1, req.logprobs, top)
-        jobs = self._jobs([self._chat_prompt(req)], params, max_tokens, req.rid)
+        plan = self._plan([self._chat_prompt(req)], params, max_tokens, req.rid)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return self._sse(self._chat_stream(jobs, base, req))
-        results = await self._run_all(jobs, raw)
+            return self._sse(self._chat_stream(plan, base, req))
+        results = await self._run_all(plan, raw)
         choices = self._final_choices(
             results,
             lambda text, lps: {
@@ -245,15 +231,15 @@ class OpenAIServing:
             **base,
             "object": "chat.completion",
             "choices": choices,
-            "usage": usage(jobs, [r[3] for r in results]),
+            "usage": usage(plan.samples, [r.output for r in results]),
         }
         return JSONResponse(body)
 
-    async def _chat_stream(self, jobs, base, req) -> AsyncIterator[str]:
+    async def _chat_stream(self, plan: FanOut, base, req) -> AsyncIterator[str]:
         base = {**base, "object": "chat.completion.chunk"}
-        states = {k: ChoiceState() for k in range(len(jobs))}
+        states = {k: ChoiceState() for k in range(len(plan.samples))}
         lasts = {}
-        async for k, out in self._stream_all(jobs):
+        async for k, out in self._stream_all(plan):
             lasts[k] = out
             delta = {}
             if not states[k].sent_role:
@@ -270,7 +256,9 @@ class OpenAIServing:
             if delta or out.finished or (req.logprobs and out.logprobs):
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(jobs, [lasts[k] for k in sorted(lasts)])})
+            yield sse(
+                {**base, "choices": [], "usage": usage(plan.samples, [lasts[k] for k in sorted(lasts)])}
+            )
         yield "data: [DONE]\n\n"
 
     async def generate(self, req: GenerateRequest, raw: Request):
@@ -285,35 +273,36 @@ class OpenAIServing:
         else:
             prompts = [req.input_ids] if single else [list(p) for p in req.input_ids]
         params = req.params()
-        jobs = self._jobs(prompts, params, params.max_new_tokens, req.rid)
+        plan = self._plan(prompts, params, params.max_new_tokens, req.rid)
         if req.stream:
-            return self._sse(self._generate_stream(jobs))
-        results = await self._run_all(jobs, raw)
+            return self._sse(self._generate_stream(plan))
+        results = await self._run_all(plan, raw)
         bodies = []
-        for text, ids, lps, last in results:
-            self._raise_engine_error(last)
-            bodies.append(self._native_body(text, ids, lps, last))
+        for result in results:
+            self._raise_engine_error(result.output)
+            bodies.append(self._native_body(result))
         return JSONResponse(bodies[0] if single and len(bodies) == 1 else bodies)
 
-    async def _generate_stream(self, jobs) -> AsyncIterator[str]:
-        acc: dict[int, tuple[str, list[int], list]] = {}
-        async for k, out in self._stream_all(jobs):
-            text, ids, lps = acc.get(k, ("", [], []))
-            acc[k] = (text + out.text_delta, ids + out.new_ids, lps + (out.logprobs or []))
-            body = self._native_body(*acc[k], out)
+    async def _generate_stream(self, plan: FanOut) -> AsyncIterator[str]:
+        acc: dict[int, OutputAccumulator] = {}
+        async for k, out in self._stream_all(plan):
+            result = acc.setdefault(k, OutputAccumulator())
+            result.add(out)
+            body = self._native_body(result)
             body["index"] = k
             yield sse(body)
         yield "data: [DONE]\n\n"
 
-    def _final_choices(self, results, body) -> list[dict]:
+    def _final_choices(self, results: list[OutputAccumulator], body) -> list[dict]:
         """One choice per finished generation; `body(text, logprobs)` gives the endpoint's own fields."""
         choices = []
-        for k, (text, _ids, lps, last) in enumerate(results):
+        for k, result in enumerate(results):
+            last = result.output
             self._raise_engine_error(last)
             choices.append(
                 {
                     "index": k,
-                    **body(text, lps),
+                    **body(result.text, result.logprobs),
                     "finish_reason": finish_name(last),
                     "matched_stop": (last.finish_reason or {}).get("matched"),
                 }
@@ -321,7 +310,9 @@ class OpenAIServing:
         return choices
 
     @staticmethod
-    def _native_body(text: str, ids: list[int], lps: list, last: ReqOutput) -> dict:
+    def _native_body(result: OutputAccumulator) -> dict:
+        """The native /generate body of one generation, from its outputs so far."""
+        text, ids, lps, last = result.text, result.ids, result.logprobs, result.output
         meta = {
             "id": last.rid,
             "finish_reason": last.finish_reason if last.finished else None,
@@ -348,3 +339,13 @@ class OpenAIServing:
 
 class EngineRequestError(RuntimeError):
     """The engine failed this one request."""
+
+
+def _client_rids(rid: str | list[str] | None, count: int) -> list[str] | None:
+    """A client's request id names its request (for /abort_request); several generations get -k suffixes."""
+    if rid is None:
+        return None
+    rids = [rid] if isinstance(rid, str) else list(rid)
+    if len(rids) == 1 and count > 1:
+        rids = [f"{rids[0]}-{k}" for k in range(count)]
+    return rids

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kiln.scheduler.fanout import Sample
 from kiln.scheduler.io import ReqOutput, TokenLogprob
 
 
@@ -32,12 +34,12 @@ def finish_name(out: ReqOutput) -> str | None:
     return out.finish_reason["type"]
 
 
-def usage(jobs, lasts: list[ReqOutput]) -> dict:
+def usage(samples: Sequence[Sample], lasts: list[ReqOutput]) -> dict:
     """Each distinct prompt counts once, however many samples it had."""
     prompt, cached, seen = 0, 0, set()
-    for job, last in zip(jobs, lasts):
-        if job.index not in seen:
-            seen.add(job.index)
+    for sample, last in zip(samples, lasts):
+        if sample.index not in seen:
+            seen.add(sample.index)
             prompt += last.prompt_tokens
             cached += last.cached_tokens
     completion = sum(last.completion_tokens for last in lasts)

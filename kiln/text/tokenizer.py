@@ -6,7 +6,10 @@ import os
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None, chat_template: str | None = None):
-    path = tokenizer_path or model_path
+    from kiln.loader.model_config import resolve_model_path
+
+    # the model's own path resolved as its weights are (a directory holding one .gguf file means that file)
+    path = tokenizer_path or resolve_model_path(model_path)
     if path.endswith(".gguf"):
         from kiln.loader.gguf_loader import load_gguf_tokenizer
 

@@ -126,9 +126,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed) {
 //
 // Two ways through a weight, the same products. At 1-4 rows of x (decode), the k rows are expanded in registers as the
 // one row tile goes (fused_tile); from 5 rows up, each block is expanded once into this thread's float32 buffer and
-// the float32 row tiles run over it (the expansion amortized over all the rows: measured on Zen 3, this matches
-// expanding in registers per 4 rows at 5-6 rows and beats it from 8). Both accumulate each output over k in order
-// with the same FMAs as tile().
+// the float32 row tiles run over it (the expansion amortized over all the rows instead of repeated for every 4,
+// which pays from a few rows on; the crossover is in docs/benchmarks.md). Both accumulate each output over k in
+// order with the same FMAs as tile().
 
 static inline __m256 load_fp16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -175,7 +175,8 @@ struct Q8_0 {
   static inline void scales(const uint8_t* chunk, float* table) {
     for (int i = 0; i < kScales / 8; ++i) _mm256_store_ps(table + 8 * i, load_fp16x8(chunk + 16 * i));
   }
-  // two 8-byte loads, each sign-extended from memory: 1.3-1.5x faster than one 16-byte load and a shuffle (Zen 3)
+  // two 8-byte loads, each sign-extended from memory: cheaper than one 16-byte load plus the cross-lane shuffle
+  // its upper half would need before widening (docs/benchmarks.md)
   static inline void row(const uint8_t* chunk, const float* table, int k, __m256& w0, __m256& w1) {
     const uint8_t* q = chunk + 2 * kBlock + kBlock * k;
     const __m256i q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
@@ -239,7 +240,8 @@ static void expand(const uint8_t* src, float* dst, int64_t chunks) {
 // rows x[0..MB) against NB consecutive quantized blocks (at w, each `chunks` chunks long), expanding each k row in
 // registers: the FMAs of tile<MB>, each output's in k order. The accumulators are indexed t = i * NB + j, every loop
 // over them innermost and flat, and copied into per-chunk locals: GCC (12) otherwise keeps them in memory too and
-// stores all of them at every k, which made this 2x slower. The scales are read from a float table in L1.
+// stores all of them at every k, turning a register-bound loop into a store-bound one. The scales are read from a
+// float table in L1.
 template <class Q, int MB, int NB>
 static inline void fused_tile(const float* x, const uint8_t* w, float* y, int64_t chunks, int64_t k_size,
                               int64_t n_size) {
@@ -274,8 +276,9 @@ static inline void fused_tile(const float* x, const uint8_t* w, float* y, int64_
   }
 }
 
-// rows x[0..MB) (MB <= 4) against blocks [b0, b1), expanding in registers; one row takes two blocks a tile (4 FMA
-// chains: measured faster than 2, 6 or 8 on Zen 3)
+// rows x[0..MB) (MB <= 4) against blocks [b0, b1), expanding in registers; one row takes two blocks a tile: one
+// block alone gives 2 independent FMA chains, too few to hide the FMA latency, and 4 chains ran fastest of the
+// widths tried (docs/benchmarks.md)
 template <class Q, int MB>
 static void fused_blocks(const float* x, const uint8_t* w, float* y, int64_t b0, int64_t b1, int64_t chunks,
                          int64_t k_size, int64_t n_size) {

@@ -1,6 +1,6 @@
 // Kiln's CPU kernels for the per-token work of a decode step around the matmuls: RMSNorm, and decode attention
 // read straight from the paged KV pool. Each replaces a chain of small ATen ops (RMSNorm's pow / mean / rsqrt /
-// mul; attention's two index_select gathers and SDPA) whose per-call overhead was most of a batch-1 step's
+// mul; attention's two index_select gathers and SDPA) whose per-call overhead is most of a batch-1 step's
 // time outside the matmuls (docs/benchmarks.md). float32 only; the Python side falls back to ATen otherwise.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -16,7 +16,7 @@
 
 // fn(i0, i1) over [0, n) in ranges of `grain`, handed out to the intra-op threads as they come free rather than
 // split evenly up front: on a host whose cores other processes also use (a server and its clients on two cores), a
-// thread that is preempted no longer holds every other thread at the end of the region while its fixed share
+// thread that is preempted does not hold every other thread at the end of the region while its fixed share
 // waits. Serial inside another parallel region or with one thread; split evenly when there is a range a thread.
 void dynamic_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   const int threads = at::get_num_threads();

@@ -1,0 +1,93 @@
+"""Dtype names, their sizes, and the one rule for what `--dtype auto` and `--kv-cache-dtype auto` mean.
+
+A leaf module: the memory ledger (names and bytes only) and the model loader (torch dtypes) both read it, so the
+planned ledger and the loaded model can never disagree on a dtype. torch is imported only where a torch dtype is
+asked for, which keeps `kiln plan` free of it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+}  # fmt: skip
+# The dtypes weights, activations and the KV cache are served in, and the spellings that mean them.
+SERVING_DTYPES = ("float32", "bfloat16", "float16")
+_SERVING_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+def _plain_name(name: str) -> str:
+    return str(name).lower().removeprefix("torch.")
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype name ("bfloat16", "torch.float16", "fp8_e4m3", ...)."""
+    try:
+        return DTYPE_BYTES[_plain_name(name)]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} (use one of {', '.join(sorted(DTYPE_BYTES))})") from None
+
+
+def serving_dtype_name(name: str) -> str:
+    """The canonical serving dtype a name means ("half" -> "float16"); ValueError for any other dtype."""
+    plain = _plain_name(name)
+    plain = _SERVING_ALIASES.get(plain, plain)
+    if plain not in SERVING_DTYPES:
+        raise ValueError(f"dtype {name!r} cannot be served (use one of {', '.join(SERVING_DTYPES)})")
+    return plain
+
+
+def _language_model_first(hf_config: dict) -> tuple[dict, dict]:
+    """The language model's part of a config (multimodal configs nest it under text_config), then the whole."""
+    text = hf_config.get("text_config")
+    return (text if isinstance(text, dict) else {}), hf_config
+
+
+def checkpoint_dtype_name(hf_config: dict) -> str | None:
+    """The dtype the checkpoint was saved in, or None when its config does not say."""
+    for config in _language_model_first(hf_config):
+        name = config.get("torch_dtype") or config.get("dtype")
+        if name:
+            return _plain_name(name)
+    return None
+
+
+def resolve_dtype_name(hf_config: dict, device: str, requested: str | None = "auto") -> str:
+    """The weight/activation dtype served: the requested one, or for "auto" float32 on the CPU (stock PyTorch is
+    fastest there) and on CUDA what SGLang's model_config `_get_and_verify_dtype` picks: the checkpoint's half
+    type, and float16 for a float32 or unspecified checkpoint (bfloat16 for the Gemma family, whose activations
+    overflow float16)."""
+    if requested and requested != "auto":
+        return serving_dtype_name(requested)
+    if not device.startswith("cuda"):
+        return "float32"
+    saved = checkpoint_dtype_name(hf_config)
+    if saved in ("bfloat16", "float16"):
+        return saved
+    text, whole = _language_model_first(hf_config)
+    model_type = str(text.get("model_type") or whole.get("model_type") or "")
+    return "bfloat16" if model_type.startswith("gemma") else "float16"
+
+
+def kv_cache_dtype_name(requested: str | None, dtype: str) -> str:
+    """The KV cache dtype: "auto" (or none given) is the resolved weight/activation dtype."""
+    return dtype if requested in (None, "auto") else _plain_name(requested)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a serving dtype name."""
+    import torch
+
+    return getattr(torch, serving_dtype_name(name))

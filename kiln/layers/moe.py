@@ -1,0 +1,376 @@
+"""Mixture-of-experts layers: the top-k router, the routed experts computed grouped by expert, and the sparse
+block that adds shared experts.
+
+Routing follows transformers' routers step for step (Qwen3MoeTopKRouter, DeepseekV2TopkRouter,
+DeepseekV3TopkRouter), so that greedy outputs match the reference. The experts use SGLang's layout: every expert's
+weights stacked into one parameter, each tensor-parallel rank holding a slice of every expert (a column slice of
+gate and up, the matching row slice of down), the partial outputs summed once after the experts combine.
+
+A config naming a routing feature Kiln does not implement is refused here, naming the field: running it with a
+near miss would give plausible but wrong text."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.distributed import all_reduce, divide, tp_rank, tp_size
+from kiln.layers.activation import silu_and_mul
+from kiln.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from kiln.layers.rotary import check_choice as _check_choice
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+# greedy: plain top-k; group_limited_greedy (DeepSeek-V2): groups ranked by their best expert;
+# noaux_tc (DeepSeek-V3): groups ranked by their two best experts, scores shifted by e_score_correction_bias
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+HIDDEN_ACTS = ("silu",)
+EXPERT_PARTS = ("gate", "up", "down")
+
+
+def num_routed_experts(hf_config: Any) -> int:
+    for name in ("n_routed_experts", "num_experts", "num_local_experts"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 0
+
+
+def is_sparse_layer(hf_config: Any, layer_id: int) -> bool:
+    """DeepSeek: dense below first_k_dense_replace, then every moe_layer_freq-th layer sparse. Qwen-MoE: every
+    decoder_sparse_step-th layer sparse, except those in mlp_only_layers."""
+    if num_routed_experts(hf_config) == 0:
+        return False
+    if getattr(hf_config, "first_k_dense_replace", None) is not None:
+        freq = int(getattr(hf_config, "moe_layer_freq", None) or 1)
+        return layer_id >= int(hf_config.first_k_dense_replace) and layer_id % freq == 0
+    step = int(getattr(hf_config, "decoder_sparse_step", None) or 1)
+    return layer_id not in (getattr(hf_config, "mlp_only_layers", None) or []) and (layer_id + 1) % step == 0
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a token picks its experts and weighs them."""
+
+    num_experts: int
+    top_k: int
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    # DeepSeek computes the router logits in float32 and keeps the routing weights there; Qwen-MoE computes them
+    # in the model's dtype and casts the weights back to it
+    float32_routing: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("scoring_func", self.scoring_func, SCORING_FUNCS)
+        _check_choice("topk_method", self.topk_method, TOPK_METHODS)
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"model config num_experts_per_tok {self.top_k} must be between 1 and the {self.num_experts} "
+                f"routed experts"
+            )
+        if self.topk_method != "greedy":
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(
+                f"model config n_group {self.n_group} does not divide {self.num_experts} experts"
+            )
+        per_group = self.num_experts // self.n_group
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"model config topk_group {self.topk_group} must be between 1 and n_group")
+        if self.top_k > self.topk_group * per_group:
+            raise ValueError(
+                f"model config num_experts_per_tok {self.top_k} exceeds the {self.topk_group * per_group} "
+                f"experts of topk_group {self.topk_group} groups"
+            )
+        if self.topk_method == "noaux_tc" and per_group < 2:
+            raise ValueError(
+                f"model config n_group {self.n_group}: topk_method noaux_tc ranks a group by its two best "
+                f"experts, and {self.num_experts} experts leave {per_group} per group"
+            )
+
+    @property
+    def grouped(self) -> bool:
+        return self.topk_method != "greedy"
+
+    @classmethod
+    def from_hf(
+        cls, hf_config: Any, scoring_func: str, topk_method: str, float32_routing: bool
+    ) -> RouterSpec:
+        """The router of an HF config; `scoring_func` and `topk_method` are the architecture's own, used where the
+        config does not name one."""
+        scale = getattr(hf_config, "routed_scaling_factor", None)
+        return cls(
+            num_experts=num_routed_experts(hf_config),
+            top_k=int(hf_config.num_experts_per_tok),
+            scoring_func=getattr(hf_config, "scoring_func", None) or scoring_func,
+            topk_method=getattr(hf_config, "topk_method", None) or topk_method,
+            n_group=int(getattr(hf_config, "n_group", None) or 1),
+            topk_group=int(getattr(hf_config, "topk_group", None) or 1),
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+            routed_scaling_factor=1.0 if scale is None else float(scale),
+            float32_routing=float32_routing,
+        )
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    hidden_size: int
+    expert_intermediate_size: int  # of one routed expert
+    shared_intermediate_size: int  # of all shared experts together; 0: none
+    router: RouterSpec
+
+    @classmethod
+    def from_hf(
+        cls, hf_config: Any, scoring_func: str, topk_method: str, float32_routing: bool = False
+    ) -> MoESpec:
+        _check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), HIDDEN_ACTS)
+        inter = int(hf_config.moe_intermediate_size)
+        return cls(
+            hidden_size=int(hf_config.hidden_size),
+            expert_intermediate_size=inter,
+            shared_intermediate_size=int(getattr(hf_config, "n_shared_experts", None) or 0) * inter,
+            router=RouterSpec.from_hf(hf_config, scoring_func, topk_method, float32_routing),
+        )
+
+
+class TopKRouter(nn.Module):
+    """gate weight [n_experts, hidden] (HF's mlp.gate.weight) -> per token the top-k expert ids and their
+    weights. e_score_correction_bias (noaux_tc) shifts the scores that select experts, never the weights."""
+
+    def __init__(self, spec: RouterSpec, hidden: int):
+        super().__init__()
+        self.spec = spec
+        # DeepSeek's checkpoints and transformers keep its gate in float32 whatever the model's dtype
+        dtype = torch.float32 if spec.float32_routing else None
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if spec.topk_method == "noaux_tc":  # float32 as in the checkpoint: it only ranks, and ranks finely
+            bias = torch.empty(spec.num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, hidden] -> (weights [T, k], expert ids [T, k])."""
+        spec = self.spec
+        if spec.float32_routing:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
+        if spec.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+        else:
+            scores = logits.float().sigmoid()
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if spec.grouped:
+            choice = self._within_best_groups(choice)
+        ids = torch.topk(choice, spec.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if spec.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * spec.routed_scaling_factor
+        return (weights if spec.float32_routing else weights.to(logits.dtype)), ids
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The selection scores with every expert outside the topk_group best groups masked out."""
+        spec, tokens = self.spec, choice.shape[0]
+        grouped = choice.view(tokens, spec.n_group, -1)
+        if spec.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        best = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(tokens, -1)
+        # noaux_tc's shifted scores may be negative, so its masked experts go to -inf; softmax scores are positive
+        fill = float("-inf") if spec.topk_method == "noaux_tc" else 0.0
+        return choice.masked_fill(~keep, fill)
+
+
+def _stacked_param(shape: tuple[int, ...], loader) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class FusedMoE(nn.Module):
+    """The routed experts, stacked: gate_up_proj [E, 2 I/tp, H] (this rank's gate rows, then its up rows) and
+    down_proj [E, H, I/tp]. Token-expert pairs are sorted by expert and each expert that has tokens runs one
+    matmul over all of them, so the cost is one pair of GEMMs per active expert, not a loop over tokens."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.per_rank = divide(intermediate, self.tp_size)
+        self.gate_up_proj = _stacked_param((num_experts, 2 * self.per_rank, hidden), self.weight_loader)
+        self.down_proj = _stacked_param((num_experts, hidden, self.per_rank), self.weight_loader)
+        self.loaded_shards: set[tuple[int, str]] = set()
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
+    ) -> None:
+        """shard_id (expert, "gate" | "up" | "down"): one expert's HF projection, [I, H] or [H, I]. None: HF's
+        fused tensor of every expert, [E, 2I, H] (gate rows, then up rows) or [E, H, I]."""
+        if shard_id is None:
+            self._load_fused(param, loaded)
+            return
+        expert, part = shard_id
+        _check_choice("expert weight part", part, EXPERT_PARTS)
+        start = self.tp_rank * self.per_rank
+        if part == "down":
+            _check_shape(loaded, (self.hidden, self.intermediate), f"expert {expert} down_proj")
+            param.data[expert].copy_(loaded.narrow(1, start, self.per_rank))
+        else:
+            _check_shape(loaded, (self.intermediate, self.hidden), f"expert {expert} {part}_proj")
+            rows = param.data[expert].narrow(0, 0 if part == "gate" else self.per_rank, self.per_rank)
+            rows.copy_(loaded.narrow(0, start, self.per_rank))
+        self.loaded_shards.add((expert, part))
+
+    def _load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        e, h, i, n = self.num_experts, self.hidden, self.intermediate, self.per_rank
+        start = self.tp_rank * n
+        if param is self.gate_up_proj:
+            _check_shape(loaded, (e, 2 * i, h), "experts.gate_up_proj")
+            param.data[:, :n].copy_(loaded[:, start : start + n])
+            param.data[:, n:].copy_(loaded[:, i + start : i + start + n])
+            parts = ("gate", "up")
+        else:
+            _check_shape(loaded, (e, h, i), "experts.down_proj")
+            param.data.copy_(loaded[:, :, start : start + n])
+            parts = ("down",)
+        self.loaded_shards.update((expert, part) for expert in range(e) for part in parts)
+
+    def missing_shards(self) -> list[tuple[int, str]]:
+        return [
+            (e, p) for e in range(self.num_experts) for p in EXPERT_PARTS if (e, p) not in self.loaded_shards
+        ]
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_weights / topk_ids [T, k] -> [T, H]: sum over k of weight * expert(x)."""
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within each
+        token = order // topk_ids.shape[1]
+        rows = x.index_select(0, token)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self._grouped_mm(rows, flat)
+        else:
+            out = self._per_expert(rows, flat)
+        weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        combined = torch.zeros_like(x).index_add_(0, token, (out * weights).to(x.dtype))
+        return all_reduce(combined)
+
+    def _per_expert(self, rows: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                end = start + count
+                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert])
+                out[start:end] = F.linear(silu_and_mul(gate_up), self.down_proj[expert])
+                start = end
+        return out
+
+    def _grouped_mm(self, rows: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
+        """The same product without reading the per-expert counts on the host, which a CUDA graph cannot do:
+        the group offsets stay on the device."""
+        ones = torch.ones_like(flat_ids, dtype=torch.int32)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=rows.device).scatter_add_(
+            0, flat_ids, ones
+        )
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(silu_and_mul(gate_up), self.down_proj.transpose(1, 2), offs=offsets)
+
+
+def _check_shape(loaded: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(loaded.shape) != shape:
+        raise ValueError(f"checkpoint {what}: shape {tuple(loaded.shape)}, expected {shape}")
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), tensor-parallel: the shared experts of a sparse block."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
+        self.down_proj = RowParallelLinear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """HF's mlp.gate (router), mlp.experts and, where the config has them, mlp.shared_experts."""
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        self.gate = TopKRouter(spec.router, spec.hidden_size)
+        self.experts = FusedMoE(spec.router.num_experts, spec.hidden_size, spec.expert_intermediate_size)
+        self.shared_experts = (
+            GatedMLP(spec.hidden_size, spec.shared_intermediate_size)
+            if spec.shared_intermediate_size
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+# model.layers.N.mlp.experts.E.gate_proj.weight (per expert) or model.layers.N.mlp.experts.gate_up_proj (fused)
+_PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight")
+_FUSED = re.compile(r"(?P<prefix>.+\.experts)\.(?P<param>gate_up_proj|down_proj)")
+
+
+def expert_target(name: str) -> tuple[str, tuple[int, str] | None] | None:
+    """The stacked parameter and shard id of a checkpoint tensor of routed experts; None for any other tensor."""
+    match = _PER_EXPERT.fullmatch(name)
+    if match is not None:
+        param = "gate_up_proj" if match["part"] in ("gate", "up") else "down_proj"
+        return f"{match['prefix']}.{param}", (int(match["expert"]), match["part"])
+    match = _FUSED.fullmatch(name)
+    if match is not None:
+        return name, None
+    return None
+
+
+def load_expert_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Loads the routed experts' tensors of a checkpoint stream into `model` (their names into `loaded`) and
+    passes every other tensor on, for the model's own loader."""
+    params = dict(model.named_parameters())
+    for name, tensor in weights:
+        target = expert_target(name)
+        if target is None:
+            yield name, tensor
+            continue
+        param_name, shard_id = target
+        if param_name not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+        param = params[param_name]
+        param.weight_loader(param, tensor.to(param.dtype), shard_id)  # type: ignore[attr-defined]
+        loaded.add(param_name)
+
+
+def check_experts_loaded(model: nn.Module) -> None:
+    """Raises naming the first expert tensors a checkpoint lacked (the stacked parameters were only partly
+    filled, which the loader's per-parameter check cannot see)."""
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            missing = module.missing_shards()
+            if missing:
+                shown = ", ".join(f"{name}.{e}.{part}_proj.weight" for e, part in missing[:3])
+                raise ValueError(f"checkpoint lacks {len(missing)} expert tensors, e.g. {shown}")

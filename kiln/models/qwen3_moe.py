@@ -1,0 +1,54 @@
+"""Qwen3-MoE: Qwen3's decoder (attention with q/k norm, the Llama norms, embedding and LM head) whose MLP is a
+sparse mixture of experts in the layers decoder_sparse_step and mlp_only_layers pick, the dense Llama MLP in the
+others. Routing: softmax over the experts, top-k, optionally renormalized (norm_topk_prob); no shared experts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.layers.moe import (
+    MoESpec,
+    SparseMoeBlock,
+    check_experts_loaded,
+    is_sparse_layer,
+    load_expert_weights,
+)
+from kiln.models.config import ModelConfig
+from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+
+def check_config(hf_config: Any) -> None:
+    """Refuses, naming the field, what transformers' Qwen3-MoE would run and Kiln does not implement."""
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(
+            "model config use_sliding_window true is not implemented by Kiln (every layer attends to the whole "
+            "sequence); accepted: false"
+        )
+
+
+class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
+    """One class for dense and sparse layers alike: graph capture compiles the layer type's attention-free
+    halves once and runs them for every layer."""
+
+    def make_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
+        if not is_sparse_layer(cfg.hf_config, layer_id):
+            return super().make_mlp(cfg, layer_id)
+        return SparseMoeBlock(MoESpec.from_hf(cfg.hf_config, scoring_func="softmax", topk_method="greedy"))
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen3MoeDecoderLayer
+
+    def __init__(self, cfg: ModelConfig):
+        check_config(cfg.hf_config)  # refused before any weight is allocated
+        super().__init__(cfg)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        loaded |= super().load_weights(load_expert_weights(self, weights, loaded))
+        check_experts_loaded(self)
+        return loaded

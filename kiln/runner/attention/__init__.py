@@ -1,0 +1,27 @@
+"""Attention backends over the paged KV pool (base.py states their contract) and the choice of one for a pool."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.layers.cpu_gemm import has_cpu_decode_attention
+from kiln.memory.kv_pool import KVPool
+from kiln.runner.attention.base import AttentionBackend
+from kiln.runner.attention.cpu_kernel import CpuKernelBackend, common_prefix
+from kiln.runner.attention.torch_sdpa import TorchSdpaBackend
+
+__all__ = [
+    "AttentionBackend",
+    "CpuKernelBackend",
+    "TorchSdpaBackend",
+    "common_prefix",
+    "make_attention_backend",
+]
+
+
+def make_attention_backend(kv_pool: KVPool, q_heads: int, dtype: torch.dtype) -> AttentionBackend:
+    """Kiln's CPU kernel where it serves the pool (float32 on the CPU, the kernel built) and the model computes in
+    float32, which its queries then are; torch SDPA everywhere else."""
+    if kv_pool.k and dtype == torch.float32 and has_cpu_decode_attention(kv_pool.k[0]):
+        return CpuKernelBackend(kv_pool, q_heads)
+    return TorchSdpaBackend(kv_pool, q_heads)

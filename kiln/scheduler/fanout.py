@@ -1,0 +1,53 @@
+"""n > 1: several samples of one prompt. The prompt is prefilled alone first (a prefill-only request), so that
+its samples, admitted after it finished, all read its KV from the prefix cache instead of each computing it.
+One plan serves the in-process Engine and the HTTP server alike."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kiln.sampling_params import InvalidParam, SamplingParams
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generation: a sample of prompt `index`."""
+
+    index: int
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str | None = None  # None: the front names it
+
+
+@dataclass(frozen=True)
+class FanOut:
+    warm: list[list[int]]  # prompts to prefill alone, each to the end, before any sample starts
+    samples: list[Sample]  # prompt by prompt, n of each
+    num_prompts: int
+
+    def groups(self) -> list[list[Sample]]:
+        """The samples of each prompt, in prompt order."""
+        by_prompt: list[list[Sample]] = [[] for _ in range(self.num_prompts)]
+        for sample in self.samples:
+            by_prompt[sample.index].append(sample)
+        return by_prompt
+
+
+def prefill_only_params() -> SamplingParams:
+    """A request that computes its prompt's KV, leaves it in the prefix cache and generates nothing."""
+    return SamplingParams(max_new_tokens=0)
+
+
+def fan_out(
+    prompts: Sequence[list[int]], params: Sequence[SamplingParams], rids: Sequence[str] | None = None
+) -> FanOut:
+    """params[i].n samples of prompts[i], named by `rids` in order when given; a warm-up prefill for every
+    prompt sampled more than once."""
+    samples = [Sample(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params)) for _ in range(p.n)]
+    if rids is not None:
+        if len(rids) != len(samples):
+            raise InvalidParam("rid", f"got {len(rids)} request ids for {len(samples)} generations")
+        samples = [Sample(s.index, s.input_ids, s.params, rid) for s, rid in zip(samples, rids)]
+    warm = [ids for ids, p in zip(prompts, params) if p.n > 1]
+    return FanOut(warm, samples, min(len(prompts), len(params)))

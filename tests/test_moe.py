@@ -1,0 +1,589 @@
+"""Mixture of experts: the router against transformers' own routers on the same random weights (softmax top-k,
+DeepSeek-V2's group-limited greedy, DeepSeek-V3's sigmoid grouped top-k with its correction bias), the experts
+against a per-token reference and across two simulated tensor-parallel ranks, whole sparse blocks against
+transformers' blocks, and a tiny random Qwen3-MoE served by the Engine, token-identical to transformers' greedy
+output (float32 logits within 1e-4) alone, batched, chunked, on radix hits, under retraction and over HTTP."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import ServerProcess, assert_pool_at_baseline
+from test_correctness import _token_stream, hf_greedy, load_hf, make_prompt
+
+import kiln
+import kiln.distributed as distributed
+import kiln.layers.linear as linear
+import kiln.layers.moe as moe
+import kiln.layers.rotary as rotary
+from kiln.layers.moe import FusedMoE, MoESpec, RouterSpec, SparseMoeBlock, TopKRouter, is_sparse_layer
+
+H, I_EXPERT = 32, 16  # hidden size, one expert's intermediate size
+
+
+def _seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _copy_router(hf_router, ours: TopKRouter) -> None:
+    with torch.no_grad():
+        hf_router.weight.normal_(0.0, 0.5, generator=_seeded(1))
+        ours.weight.copy_(hf_router.weight)
+        if ours.e_score_correction_bias is not None:
+            hf_router.e_score_correction_bias.uniform_(-0.1, 0.1, generator=_seeded(2))
+            ours.e_score_correction_bias.copy_(hf_router.e_score_correction_bias)
+
+
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (expert ids, weights) in expert order: routers differ in the order they list a row's picks."""
+    order = ids.argsort(dim=-1)
+    return ids.gather(1, order), weights.float().gather(1, order)
+
+
+def _assert_same_routing(hf_router, ours: TopKRouter, tokens: int = 64) -> None:
+    x = torch.randn(tokens, H, generator=_seeded(3))
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf_router(x)
+        weights, ids = ours(x)
+    want_ids, want_weights = _by_expert(hf_weights, hf_ids)
+    got_ids, got_weights = _by_expert(weights, ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights, want_weights, rtol=0, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- router
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_softmax_router_matches_qwen3_moe(norm_topk_prob: bool) -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = Qwen3MoeConfig(hidden_size=H, num_experts=8, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob)
+    spec = RouterSpec.from_hf(cfg, scoring_func="softmax", topk_method="greedy", float32_routing=False)
+    assert (spec.num_experts, spec.top_k, spec.norm_topk_prob) == (8, 3, norm_topk_prob)
+    hf_router, ours = Qwen3MoeTopKRouter(cfg), TopKRouter(spec, H)
+    _copy_router(hf_router, ours)
+    _assert_same_routing(hf_router, ours)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_sigmoid_grouped_router_matches_deepseek_v3(norm_topk_prob: bool) -> None:
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(
+        hidden_size=H, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=norm_topk_prob,
+    )  # fmt: skip
+    spec = RouterSpec.from_hf(cfg, scoring_func="sigmoid", topk_method="noaux_tc", float32_routing=True)
+    assert (spec.n_group, spec.topk_group, spec.routed_scaling_factor) == (4, 2, 2.5)
+    hf_router, ours = DeepseekV3TopkRouter(cfg), TopKRouter(spec, H)
+    assert ours.e_score_correction_bias is not None
+    _copy_router(hf_router, ours)
+    _assert_same_routing(hf_router, ours)
+    # the picks stay inside topk_group groups of 4 experts
+    _, ids = ours(torch.randn(64, H, generator=_seeded(4)))
+    assert all(len(set((row // 4).tolist())) <= 2 for row in ids)
+
+
+def test_a_float32_router_stays_float32_in_a_bfloat16_model() -> None:
+    """DeepSeek's gate and correction bias are float32 in transformers whatever the model's dtype."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        deepseek = TopKRouter(RouterSpec(16, 4, "sigmoid", "noaux_tc", 4, 2, float32_routing=True), H)
+        qwen = TopKRouter(RouterSpec(8, 2), H)
+    finally:
+        torch.set_default_dtype(before)
+    assert deepseek.weight.dtype == deepseek.e_score_correction_bias.dtype == torch.float32
+    assert qwen.weight.dtype == torch.bfloat16 and qwen.e_score_correction_bias is None
+    x = torch.randn(5, H, dtype=torch.bfloat16)
+    assert deepseek(x)[0].dtype == torch.float32 and qwen(x)[0].dtype == torch.bfloat16
+
+
+def test_group_limited_greedy_router_matches_deepseek_v2() -> None:
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = DeepseekV2Config(
+        hidden_size=H, n_routed_experts=12, num_experts_per_tok=3, n_group=3, topk_group=2,
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+    )  # fmt: skip
+    spec = RouterSpec.from_hf(cfg, scoring_func="softmax", topk_method="greedy", float32_routing=True)
+    assert spec.topk_method == "group_limited_greedy"  # the config's own method wins over the default
+    hf_router, ours = DeepseekV2TopkRouter(cfg), TopKRouter(spec, H)
+    _copy_router(hf_router, ours)
+    _assert_same_routing(hf_router, ours)
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        ("scoring_func", dict(scoring_func="foo")),
+        ("topk_method", dict(topk_method="bar")),
+        ("hidden_act", dict(hidden_act="gelu")),
+        ("n_group", dict(topk_method="noaux_tc", n_group=3)),
+        ("topk_group", dict(topk_method="noaux_tc", n_group=4, topk_group=5)),
+        ("num_experts_per_tok", dict(num_experts_per_tok=9)),
+    ],
+)
+def test_unimplemented_routing_is_refused_naming_the_field(field: str, changes: dict) -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=H, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=I_EXPERT
+    )
+    for name, value in changes.items():
+        setattr(cfg, name, value)
+    with pytest.raises(ValueError, match=field):
+        MoESpec.from_hf(cfg, scoring_func="softmax", topk_method="greedy")
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "foo"])
+def test_rope_without_a_static_table_is_refused(rope_type: str) -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("qwen3_moe")
+    cfg.rope_parameters = {"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type") as err:
+        rotary.check_rope_type(cfg)
+    assert "yarn" in str(err.value)  # names what is accepted
+
+
+def test_a_sliding_window_is_refused() -> None:
+    from transformers import AutoConfig
+
+    from kiln.models.qwen3_moe import check_config
+
+    check_config(AutoConfig.for_model("qwen3_moe"))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        check_config(AutoConfig.for_model("qwen3_moe", use_sliding_window=True, sliding_window=128))
+
+
+def test_sparse_layers_follow_the_config() -> None:
+    from transformers import AutoConfig
+
+    qwen = AutoConfig.for_model("qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [is_sparse_layer(qwen, i) for i in range(6)] == [False, True, False, False, False, True]
+    deepseek = AutoConfig.for_model("deepseek_v3", num_hidden_layers=4, first_k_dense_replace=1)
+    assert [is_sparse_layer(deepseek, i) for i in range(4)] == [False, True, True, True]
+    dense = AutoConfig.for_model("qwen3_moe", num_experts=0)
+    assert not is_sparse_layer(dense, 0)
+
+
+# ---------------------------------------------------------------------------------------------- experts
+
+
+def _full_expert_weights(experts: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's fused layout: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]."""
+    gen = _seeded(seed)
+    return torch.randn(experts, 2 * I_EXPERT, H, generator=gen) * 0.3, torch.randn(
+        experts, H, I_EXPERT, generator=gen
+    ) * 0.3
+
+
+def _load_per_expert(layer: FusedMoE, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    for e in range(gate_up.shape[0]):
+        layer.weight_loader(layer.gate_up_proj, gate_up[e, :I_EXPERT], (e, "gate"))
+        layer.weight_loader(layer.gate_up_proj, gate_up[e, I_EXPERT:], (e, "up"))
+        layer.weight_loader(layer.down_proj, down[e], (e, "down"))
+
+
+def _routing(tokens: int, experts: int, k: int, seed: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = _seeded(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    return torch.rand(tokens, k, generator=gen), ids
+
+
+def _naive(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], ids[t]):
+            g, u = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += w * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+def test_experts_match_a_per_token_reference() -> None:
+    experts, k, tokens = 6, 2, 13
+    layer = FusedMoE(experts, H, I_EXPERT)
+    gate_up, down = _full_expert_weights(experts)
+    _load_per_expert(layer, gate_up, down)
+    assert layer.missing_shards() == []
+    x = torch.randn(tokens, H, generator=_seeded(7))
+    weights, ids = _routing(tokens, experts, k)
+    ids[:, 0] = 1  # every token visits expert 1; some experts get none
+    torch.testing.assert_close(layer(x, weights, ids), _naive(x, weights, ids, gate_up, down))
+    # the device-side path CUDA graphs capture computes the same product
+    flat = ids.reshape(-1)
+    rows = x.index_select(0, torch.argsort(flat, stable=True) // k)
+    sorted_ids = flat.sort(stable=True).values
+    torch.testing.assert_close(layer._grouped_mm(rows, sorted_ids), layer._per_expert(rows, sorted_ids))
+
+
+def test_fused_checkpoint_layout_loads_like_per_expert() -> None:
+    gate_up, down = _full_expert_weights(4)
+    per_expert, fused = FusedMoE(4, H, I_EXPERT), FusedMoE(4, H, I_EXPERT)
+    _load_per_expert(per_expert, gate_up, down)
+    fused.weight_loader(fused.gate_up_proj, gate_up)
+    fused.weight_loader(fused.down_proj, down)
+    assert fused.missing_shards() == []
+    assert torch.equal(fused.gate_up_proj, per_expert.gate_up_proj)
+    assert torch.equal(fused.down_proj, per_expert.down_proj)
+
+
+def test_a_missing_expert_tensor_is_named() -> None:
+    layer = FusedMoE(3, H, I_EXPERT)
+    gate_up, down = _full_expert_weights(3)
+    _load_per_expert(layer, gate_up, down)
+    layer.loaded_shards.discard((2, "up"))
+    holder = torch.nn.Module()
+    holder.experts = layer
+    with pytest.raises(ValueError, match=r"experts\.2\.up_proj\.weight"):
+        moe.check_experts_loaded(holder)
+
+
+def test_expert_checkpoint_names() -> None:
+    assert moe.expert_target("model.layers.3.mlp.experts.17.up_proj.weight") == (
+        "model.layers.3.mlp.experts.gate_up_proj",
+        (17, "up"),
+    )
+    assert moe.expert_target("model.layers.3.mlp.experts.0.down_proj.weight") == (
+        "model.layers.3.mlp.experts.down_proj",
+        (0, "down"),
+    )
+    assert moe.expert_target("model.layers.3.mlp.experts.down_proj") == (
+        "model.layers.3.mlp.experts.down_proj",
+        None,
+    )
+    assert moe.expert_target("model.layers.3.mlp.shared_experts.gate_proj.weight") is None
+    assert moe.expert_target("model.layers.3.mlp.gate.weight") is None
+
+
+def _deepseek_block_config(n_shared: int):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        hidden_size=H, moe_intermediate_size=I_EXPERT, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, n_shared_experts=n_shared,
+    )  # fmt: skip
+
+
+def _block_like(hf_block, spec: MoESpec) -> SparseMoeBlock:
+    """Our block holding the HF block's weights, loaded the way a checkpoint is."""
+    block = SparseMoeBlock(spec)
+    with torch.no_grad():
+        for p in hf_block.parameters():
+            p.normal_(0.0, 0.3, generator=_seeded(p.numel()))
+        block.gate.weight.copy_(hf_block.gate.weight)
+        if block.gate.e_score_correction_bias is not None:
+            hf_block.gate.e_score_correction_bias.uniform_(-0.1, 0.1, generator=_seeded(9))
+            block.gate.e_score_correction_bias.copy_(hf_block.gate.e_score_correction_bias)
+    block.experts.weight_loader(block.experts.gate_up_proj, hf_block.experts.gate_up_proj.detach())
+    block.experts.weight_loader(block.experts.down_proj, hf_block.experts.down_proj.detach())
+    shared = getattr(hf_block, "shared_experts", None)
+    if shared is not None:
+        mlp = block.shared_experts
+        for shard, proj in enumerate((shared.gate_proj, shared.up_proj)):
+            mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, proj.weight.detach(), shard)
+        mlp.down_proj.weight_loader(mlp.down_proj.weight, shared.down_proj.weight.detach())
+    return block
+
+
+def test_deepseek_v3_block_with_shared_experts_matches_transformers() -> None:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = _deepseek_block_config(n_shared=2)
+    spec = MoESpec.from_hf(cfg, scoring_func="sigmoid", topk_method="noaux_tc", float32_routing=True)
+    assert spec.shared_intermediate_size == 2 * I_EXPERT
+    hf_block = DeepseekV3MoE(cfg).eval()
+    block = _block_like(hf_block, spec)
+    x = torch.randn(2, 11, H, generator=_seeded(10))
+    with torch.no_grad():
+        torch.testing.assert_close(block(x.view(-1, H)), hf_block(x).view(-1, H), rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_moe_block_matches_transformers() -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=H,
+        moe_intermediate_size=I_EXPERT,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
+    spec = MoESpec.from_hf(cfg, scoring_func="softmax", topk_method="greedy")
+    assert spec.shared_intermediate_size == 0
+    hf_block = Qwen3MoeSparseMoeBlock(cfg).eval()
+    block = _block_like(hf_block, spec)
+    assert block.shared_experts is None
+    x = torch.randn(2, 11, H, generator=_seeded(11))
+    with torch.no_grad():
+        torch.testing.assert_close(block(x.view(-1, H)), hf_block(x).view(-1, H), rtol=1e-5, atol=1e-5)
+
+
+def test_two_tensor_parallel_ranks_hold_slices_and_sum_to_one_rank(monkeypatch) -> None:
+    """tp 2 simulated: each rank built and loaded as its own process would be; the all-reduce becomes a sum of
+    the two ranks' partial outputs, which must equal the tp 1 output."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = _deepseek_block_config(n_shared=1)
+    spec = MoESpec.from_hf(cfg, scoring_func="sigmoid", topk_method="noaux_tc", float32_routing=True)
+    hf_block = DeepseekV3MoE(cfg).eval()
+    whole = _block_like(hf_block, spec)
+    monkeypatch.setattr(moe, "all_reduce", lambda t: t)
+    monkeypatch.setattr(linear, "all_reduce", lambda t: t)
+    ranks = []
+    for rank in range(2):
+        monkeypatch.setattr(distributed, "_TP", distributed.TPGroup(rank=rank, size=2))
+        ranks.append(_block_like(hf_block, spec))
+    monkeypatch.setattr(distributed, "_TP", distributed.TPGroup(rank=0, size=1))
+    half = I_EXPERT // 2
+    gate_up, down = hf_block.experts.gate_up_proj.detach(), hf_block.experts.down_proj.detach()
+    for rank, block in enumerate(ranks):
+        cols = slice(rank * half, (rank + 1) * half)
+        assert block.experts.gate_up_proj.shape == (8, I_EXPERT, H)
+        assert torch.equal(block.experts.gate_up_proj[:, :half], gate_up[:, :I_EXPERT][:, cols])
+        assert torch.equal(block.experts.gate_up_proj[:, half:], gate_up[:, I_EXPERT:][:, cols])
+        assert torch.equal(block.experts.down_proj, down[:, :, cols])
+    x = torch.randn(9, H, generator=_seeded(12))
+    with torch.no_grad():
+        torch.testing.assert_close(ranks[0](x) + ranks[1](x), whole(x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- Qwen3-MoE end to end
+
+NEW_TOKENS = 8
+PROMPT_LENS = [1, 3, 9, 17, 40, 77, 150, 333, 700]
+SHARED_PREFIX = 200
+RETRACT_NEW, RETRACT_POOL, RETRACT_N = 48, 256, 8
+BASE_ARGS = dict(max_total_tokens=8192, max_running_requests=32, num_threads=1, disable_cuda_graph=True)
+TINY_MOE = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    mlp_only_layers=[0], max_position_embeddings=4096, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def build_tiny_moe(out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random Qwen3-MoE (a dense first layer, then 8 experts, top 2) saved with transformers, with the default
+    model's tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from kiln.loader.default_model import default_model_path
+    from kiln.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    cfg = Qwen3MoeConfig(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **TINY_MOE
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # larger-than-default weights so logits have clear winners
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, **overrides}))
+    return out_dir
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> str:
+    return str(build_tiny_moe(tmp_path_factory.mktemp("tiny-qwen3-moe")))
+
+
+class Reference:
+    def __init__(self, path: str):
+        stream = _token_stream()
+        self.prompts = [make_prompt(stream, n, 37 * i) for i, n in enumerate(PROMPT_LENS)]
+        prefix = make_prompt(stream, SHARED_PREFIX, 500)
+        self.shared = [prefix + make_prompt(stream, 20, 7), prefix + make_prompt(stream, 33, 170)]
+        self.retract = [make_prompt(stream, 20 + 3 * i, 13 * i + 5) for i in range(RETRACT_N)]
+        self.model = load_hf(path)
+        eos = {self.model.config.eos_token_id} - {None}
+        self.greedy = {
+            tuple(p): hf_greedy(self.model, p, NEW_TOKENS, eos)[0] for p in self.prompts + self.shared
+        }
+        self.long = {tuple(p): hf_greedy(self.model, p, RETRACT_NEW, set())[0] for p in self.retract}
+
+    def expect(self, prompts: list[list[int]]) -> list[list[int]]:
+        return [self.greedy[tuple(p)] for p in prompts]
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int], generated: list[int]) -> torch.Tensor:
+        """The logits at the last prompt position and after each generated token but the last."""
+        out = self.model(torch.tensor([ids + generated[:-1]])).logits[0].float()
+        return out[len(ids) - 1 :]
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_moe: str) -> Reference:
+    return Reference(tiny_moe)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_moe: str):
+    eng = kiln.Engine(model_path=tiny_moe, **BASE_ARGS)
+    yield eng
+    eng.shutdown()
+    gc.collect()
+
+
+def _greedy(n: int = NEW_TOKENS, **kw) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0, **kw}
+
+
+def _generate(eng: kiln.Engine, prompts: list[list[int]], **kw) -> list[dict]:
+    return eng.generate(input_ids=prompts, sampling_params=[_greedy(**kw) for _ in prompts])
+
+
+def _ids(outs: list[dict]) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def _assert_idle(eng: kiln.Engine) -> None:
+    rep = eng.check_integrity()
+    assert rep["ok"] and rep["in_use"] == 0, rep
+
+
+def test_the_tiny_model_is_sparse(engine: kiln.Engine) -> None:
+    model = engine.scheduler.runner.model
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds == ["LlamaMLP", "SparseMoeBlock", "SparseMoeBlock"]
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape == (8, 64, 64)
+
+
+def test_the_ledger_counts_the_parameters_the_model_holds(engine: kiln.Engine, tiny_moe: str) -> None:
+    from kiln.memory.model_shapes import param_counts
+
+    held = sum(p.numel() for p in dict(engine.scheduler.runner.model.named_parameters()).values())
+    assert sum(param_counts(json.loads(Path(tiny_moe, "config.json").read_text()), 1)) == held
+
+
+def test_logits_match_transformers(engine: kiln.Engine, ref: Reference) -> None:
+    runner = engine.scheduler.runner
+    seen: list[torch.Tensor] = []
+    inner = type(runner).forward.__get__(runner)
+
+    def forward(fb):
+        logits = inner(fb)
+        seen.append(logits.clone())
+        return logits
+
+    runner.forward = forward
+    try:
+        engine.scheduler.flush_cache()
+        ids = ref.prompts[6]
+        (out,) = _generate(engine, [ids])
+    finally:
+        del runner.forward
+    got = torch.cat(seen)
+    want = ref.logits(ids, out["output_ids"])
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_each_prompt_alone(engine: kiln.Engine, ref: Reference) -> None:
+    outs = []
+    for ids in ref.prompts:
+        engine.scheduler.flush_cache()
+        outs += _generate(engine, [ids])
+    assert _ids(outs) == ref.expect(ref.prompts)
+    _assert_idle(engine)
+
+
+def test_all_batched(engine: kiln.Engine, ref: Reference) -> None:
+    engine.scheduler.flush_cache()
+    assert _ids(_generate(engine, ref.prompts)) == ref.expect(ref.prompts)
+    _assert_idle(engine)
+
+
+def test_radix_cache_hits(engine: kiln.Engine, ref: Reference) -> None:
+    engine.scheduler.flush_cache()
+    ids = ref.prompts[7]
+    first, second = _generate(engine, [ids]), _generate(engine, [ids])
+    assert second[0]["meta_info"]["cached_tokens"] >= len(ids) - 1
+    a, b = ref.shared
+    out_a, out_b = _generate(engine, [a]), _generate(engine, [b])
+    assert out_b[0]["meta_info"]["cached_tokens"] >= SHARED_PREFIX
+    assert _ids(first + second + out_a + out_b) == ref.expect([ids, ids, a, b])
+    _assert_idle(engine)
+
+
+def test_chunked_prefill(tiny_moe: str, ref: Reference) -> None:
+    eng = kiln.Engine(model_path=tiny_moe, **{**BASE_ARGS, "chunked_prefill_size": 64})
+    try:
+        prompts = ref.prompts + ref.shared
+        assert _ids(_generate(eng, prompts)) == ref.expect(prompts)
+        _assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_retraction_keeps_outputs(tiny_moe: str, ref: Reference) -> None:
+    eng = kiln.Engine(
+        model_path=tiny_moe,
+        **{**BASE_ARGS, "max_total_tokens": RETRACT_POOL, "max_running_requests": RETRACT_N},
+    )
+    try:
+        outs = _generate(eng, ref.retract, n=RETRACT_NEW, ignore_eos=True)
+        assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0, "no retraction: shrink the pool"
+        assert _ids(outs) == [ref.long[tuple(p)] for p in ref.retract]
+        _assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_an_unknown_scoring_function_is_refused_at_startup(tmp_path: Path) -> None:
+    path = build_tiny_moe(tmp_path / "bad", scoring_func="foo")
+    with pytest.raises(Exception, match="scoring_func 'foo'") as err:
+        kiln.Engine(model_path=str(path), **BASE_ARGS)
+    assert "softmax" in str(err.value)
+
+
+@pytest.mark.slow
+def test_over_http(tiny_moe: str, ref: Reference, tmp_path: Path) -> None:
+    srv = ServerProcess(
+        [
+            "--model-path",
+            tiny_moe,
+            "--max-total-tokens",
+            "8192",
+            "--num-threads",
+            "1",
+            "--chunked-prefill-size",
+            "128",
+        ],
+        tmp_path / "serve.log",
+    )
+    try:
+        srv.wait_ready()
+        prompts = ref.prompts[:6] + ref.shared
+        body = {"input_ids": prompts, "sampling_params": _greedy()}
+        r = httpx.post(f"{srv.url}/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert [o["output_ids"] for o in r.json()] == ref.expect(prompts)
+        assert_pool_at_baseline(srv.url)
+    finally:
+        srv.stop()

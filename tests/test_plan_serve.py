@@ -1,0 +1,238 @@
+"""`kiln plan` and `kiln serve` are one path from the flags to the ledger: the same flags, the same ledger, and
+every fix the plan offers is one serve accepts and that fits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import kiln.plan as plan
+from kiln.config import ServerArgs
+from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
+from kiln.distributed import kv_heads_per_rank
+from kiln.loader.default_model import default_model_path
+from kiln.loader.model_config import read_hf_config
+from kiln.memory.fix_search import flags_argv, offered_fixes, serve_accepts
+from kiln.memory.ledger import compute_core, compute_ledger
+from kiln.memory.ledger_types import LedgerInputs
+from kiln.scheduler.launch import StartupRefused, build_engine, plan_ledger
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 512, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln serve")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def serve_args(argv: list[str]) -> ServerArgs:
+    """What `kiln serve` makes of these words (ServerArgs' checks included), the default model filled in."""
+    return ServerArgs.from_cli(serve_parser().parse_args(argv)).with_defaults()
+
+
+def plan_json(capsys, argv: list[str]) -> tuple[int, dict]:
+    rc = plan.main(argv + ["--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path):
+    def write(config: dict, name: str = "m") -> str:
+        directory = tmp_path / name
+        directory.mkdir(exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(config))
+        return str(directory)
+
+    return write
+
+
+# ---------------------------------------------------------------- every offered fix is one serve takes
+
+
+FAILING = {
+    "kv_allocation, --mem-fraction-static too low": [
+        "--device", "cuda", "--device-memory", "80GiB", "--mem-fraction-static", "0.18"],
+    "kv_allocation, --max-total-tokens": ["--device", "cuda", "--device-memory", "24GiB", "--max-total-tokens", "200000"],
+    "kv_allocation, --max-running-requests": [
+        "--device", "cuda", "--device-memory", "24GiB", "--context-length", "8192", "--max-running-requests", "64"],
+    "kv_allocation, --context-length": ["--device", "cuda", "--device-memory", "24GiB", "--context-length", "131072"],
+    "first_full_prefill": [
+        "--device", "cuda", "--device-memory", "80GiB", "--mem-fraction-static", "0.93", "--context-length", "8192"],
+    "graph_capture": [
+        "--device", "cuda", "--device-memory", "80GiB", "--mem-fraction-static", "0.95", "--context-length", "8192"],
+    "cpu, --mem-fraction-static too high": [
+        "--device", "cpu", "--device-memory", "24GiB", "--dtype", "bfloat16", "--mem-fraction-static", "0.99"],
+    "cpu float32 weights": ["--device", "cpu", "--device-memory", "31GiB"],
+    "host_memory": [
+        "--device", "cuda", "--device-memory", "80GiB", "--enable-hierarchical-cache", "--hicache-size", "600",
+        "--host-memory", "256GiB"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", FAILING.values(), ids=FAILING.keys())
+def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flags):
+    argv = ["--model-path", model_dir(LLAMA_31_8B)] + flags
+    args = serve_args(argv)
+    inputs = LedgerInputs.from_args(args, read_hf_config(args.model_path))
+    ledger = compute_core(inputs)
+    assert not ledger.fits
+    fixes = offered_fixes(inputs, ledger, compute_core)
+    assert fixes, ledger.failure
+    for fix in fixes:
+        assert serve_accepts(fix.flags)
+        fixed = serve_args(argv + flags_argv(fix.flags))  # the later flag wins, as on a command line
+        assert fixed.serve_refusal() is None
+        assert compute_ledger(LedgerInputs.from_args(fixed, inputs.hf_config)).fits, fix.text
+        assert "--tp-size" not in fix.text and "fp8" not in fix.text
+    rc, data = plan_json(capsys, argv)
+    assert rc == 1 and data["failure"]["fix_flags"] == fixes[0].flags
+    assert data["failure"]["fix"] == "use " + ", or ".join(fix.text for fix in fixes)
+
+
+def test_serve_accepts_only_what_serve_runs():
+    assert serve_accepts({"--mem-fraction-static": "0.8"}) and serve_accepts({"--disable-cuda-graph": ""})
+    assert not serve_accepts({"--kv-cache-dtype": "fp8_e4m3"})  # not a --kv-cache-dtype choice yet
+    assert not serve_accepts({"--tp-size": "2"})  # valid, but serve runs one rank today
+    assert not serve_accepts({"--mem-fraction-static": "1"})
+    assert not serve_accepts({"--no-such-flag": ""})
+
+
+# ---------------------------------------------------------------- plan's ledger is serve's
+
+
+@pytest.fixture
+def gguf_dir(tmp_path: Path) -> str:
+    """A directory holding the default model's .gguf (and no config.json)."""
+    try:
+        source = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model is not installed")
+    directory = tmp_path / "gguf"
+    directory.mkdir()
+    (directory / Path(source).name).symlink_to(source)
+    return str(directory)
+
+
+def same_ledger(capsys, argv: list[str]) -> dict:
+    """Plan's --json ledger, checked against the one serve computes before loading; returns it."""
+    rc, planned = plan_json(capsys, argv)
+    verdict = planned.pop("verdict")
+    served = plan_ledger(serve_args(argv)).ledger
+    assert planned == json.loads(json.dumps(served.to_dict()))
+    assert rc == (0 if served.fits else 1) and verdict == ("fits" if served.fits else "does_not_fit")
+    return planned
+
+
+def test_plan_and_serve_ledgers_agree(capsys, model_dir):
+    tiny, llama = model_dir(TINY, "tiny"), model_dir(LLAMA_31_8B, "llama")
+    for argv in (
+        ["--model-path", tiny, "--device", "cpu", "--device-memory", "4GiB"],
+        ["--model-path", tiny, "--device", "cpu", "--device-memory", "8GiB", "--tp-size", "2", "--page-size", "16"],
+        ["--model", tiny, "--device", "cpu", "--device-memory", "4GiB", "--cuda-graph-max-bs", "8"],
+        ["--model-path", llama, "--device", "cuda", "--device-memory", "80GiB", "--context-length", "8192"],
+        ["--model-path", llama, "--device", "cuda", "--device-memory", "12GiB"],  # does not fit
+        ["--model-path", llama, "--device", "cuda", "--device-memory", "80GiB", "--enable-hierarchical-cache",
+         "--host-memory", "512GiB"],
+    ):  # fmt: skip
+        same_ledger(capsys, argv)
+
+
+def test_plan_and_serve_agree_on_a_gguf_directory(capsys, gguf_dir):
+    for cpu_gemm in ("auto", "f32"):
+        argv = [
+            "--model-path",
+            gguf_dir,
+            "--device",
+            "cpu",
+            "--device-memory",
+            "24GiB",
+            "--cpu-gemm",
+            cpu_gemm,
+        ]
+        data = same_ledger(capsys, argv)
+        assert data["context_len"] == 8192 and data["fits"]
+
+
+def test_plan_and_serve_agree_on_a_float32_checkpoint_on_cuda(capsys, model_dir):
+    path = model_dir(dict(LLAMA_31_8B, torch_dtype="float32"))
+    argv = ["--model-path", path, "--device", "cuda", "--device-memory", "80GiB"]
+    data = same_ledger(capsys, argv)
+    assert plan_ledger(serve_args(argv)).inputs.dtype == "float16"  # SGLang's choice for float32 checkpoints
+    kv_line = next(line for line in data["lines"] if line["name"] == "kv bytes per token")
+    assert kv_line["inputs"].endswith("x 2 B (float16)")
+
+
+def test_tensor_parallel_size_alias(capsys, model_dir):
+    path = model_dir(TINY)
+    common = ["--model-path", path, "--device", "cpu", "--device-memory", "8GiB"]
+    assert plan_json(capsys, common + ["--tensor-parallel-size", "2"]) == plan_json(
+        capsys, common + ["--tp-size", "2"]
+    )
+    assert serve_args(common + ["--tensor-parallel-size", "2"]).tp_size == 2
+
+
+def test_serve_refuses_more_ranks_before_reading_the_model():
+    with pytest.raises(StartupRefused, match="--tp-size 2"):
+        build_engine(ServerArgs(model_path="/nonexistent", tp_size=2))
+
+
+# ---------------------------------------------------------------- one rule each
+
+
+@pytest.mark.parametrize("value", ["0", "1", "1.5", "-0.2"])
+def test_mem_fraction_static_one_rule(capsys, model_dir, value):
+    with pytest.raises(ValueError, match="--mem-fraction-static"):
+        ServerArgs(mem_fraction_static=float(value))
+    inputs = LedgerInputs(hf_config=TINY, device_memory_bytes=2**30, available_memory_bytes=2**30)
+    with pytest.raises(ValueError, match="--mem-fraction-static"):
+        compute_ledger(replace(inputs, mem_fraction_static=float(value)))
+    argv = ["--model-path", model_dir(TINY), "--device", "cpu", "--mem-fraction-static", value]
+    assert plan.main(argv) == 2 and "--mem-fraction-static" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "config, device, requested, expected",
+    [
+        ({"torch_dtype": "bfloat16"}, "cuda", "auto", "bfloat16"),
+        ({"torch_dtype": "float16"}, "cuda", "auto", "float16"),
+        ({"torch_dtype": "float32"}, "cuda", "auto", "float16"),
+        ({}, "cuda", "auto", "float16"),
+        ({"torch_dtype": "float32", "model_type": "gemma2"}, "cuda", "auto", "bfloat16"),
+        ({"text_config": {"torch_dtype": "bfloat16"}, "torch_dtype": "float32"}, "cuda", "auto", "bfloat16"),
+        ({"torch_dtype": "bfloat16"}, "cpu", "auto", "float32"),
+        ({"torch_dtype": "float32"}, "cuda", "bfloat16", "bfloat16"),
+        ({}, "cpu", "half", "float16"),
+    ],
+)
+def test_one_dtype_resolver(config, device, requested, expected):
+    assert resolve_dtype_name(config, device, requested) == expected
+
+
+def test_kv_cache_dtype_auto_is_the_dtype():
+    assert kv_cache_dtype_name("auto", "float16") == "float16"
+    assert kv_cache_dtype_name(None, "float32") == "float32"
+    assert kv_cache_dtype_name("bfloat16", "float32") == "bfloat16"
+    with pytest.raises(ValueError):
+        resolve_dtype_name({}, "cpu", "float7")
+
+
+@pytest.mark.parametrize(
+    "kv_heads, tp, expected", [(8, 1, 8), (8, 2, 4), (8, 8, 1), (8, 16, 1), (2, 4, 1), (3, 1, 3), (6, 4, 2)]
+)
+def test_kv_heads_per_rank_rounds_up(kv_heads, tp, expected):
+    assert kv_heads_per_rank(kv_heads, tp) == expected
