@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -52,6 +53,19 @@ def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path):
+    """write(config, name) -> a model directory in tmp_path holding only that config.json (for the ledger)."""
+
+    def write(config: dict, name: str = "m") -> str:
+        directory = tmp_path / name
+        directory.mkdir(exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(config))
+        return str(directory)
+
+    return write
 
 
 @pytest.fixture(scope="session")

@@ -29,17 +29,6 @@ LLAMA_70B = dict(
 )
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path):
-    def write(cfg: dict, name: str = "m") -> str:
-        d = tmp_path / name
-        d.mkdir(exist_ok=True)
-        (d / "config.json").write_text(json.dumps(cfg))
-        return str(d)
-
-    return write
-
-
 def run_plan(capsys, argv: list[str]) -> tuple[int, str, str]:
     rc = plan.main(argv)
     out = capsys.readouterr()

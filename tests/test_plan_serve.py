@@ -50,17 +50,6 @@ def plan_json(capsys, argv: list[str]) -> tuple[int, dict]:
     return rc, json.loads(out)
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path):
-    def write(config: dict, name: str = "m") -> str:
-        directory = tmp_path / name
-        directory.mkdir(exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(config))
-        return str(directory)
-
-    return write
-
-
 # ---------------------------------------------------------------- every offered fix is one serve takes
 
 
