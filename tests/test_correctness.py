@@ -66,7 +66,7 @@ parking permits by twelve percent, starting in March.
 
 
 @functools.cache
-def _token_stream() -> list[int]:
+def token_stream() -> list[int]:
     from kiln.loader.default_model import default_model_path
     from kiln.text.tokenizer import load_tokenizer
 
@@ -123,7 +123,7 @@ def load_hf(path: str):
 
 
 def build_reference(path: str) -> Reference:
-    stream = _token_stream()
+    stream = token_stream()
     prompts = [Case(make_prompt(stream, n, 41 * i)) for i, n in enumerate(PROMPT_LENS)]
     prefix = make_prompt(stream, SHARED_PREFIX, 500)
     shared = [Case(prefix + make_prompt(stream, 20, 7)), Case(prefix + make_prompt(stream, 33, 170))]

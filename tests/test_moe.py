@@ -6,15 +6,19 @@ output (float32 logits within 1e-4) alone, batched, chunked, on radix hits, unde
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
-from conftest import ServerProcess, assert_pool_at_baseline
-from test_correctness import _token_stream, hf_greedy, load_hf, make_prompt
+from model_equality import (  # the fixtures among these apply to this module by being imported
+    BASE_ARGS,
+    EngineEquality,
+    engine_fixture,  # noqa: F401
+    one_torch_thread,  # noqa: F401
+    random_model,
+    reference_fixture,  # noqa: F401
+)
 
 import kiln
 import kiln.distributed as distributed
@@ -363,11 +367,6 @@ def test_two_tensor_parallel_ranks_hold_slices_and_sum_to_one_rank(monkeypatch) 
 
 # ---------------------------------------------------------------------------------------------- Qwen3-MoE end to end
 
-NEW_TOKENS = 8
-PROMPT_LENS = [1, 3, 9, 17, 40, 77, 150, 333, 700]
-SHARED_PREFIX = 200
-RETRACT_NEW, RETRACT_POOL, RETRACT_N = 48, 256, 8
-BASE_ARGS = dict(max_total_tokens=8192, max_running_requests=32, num_threads=1, disable_cuda_graph=True)
 TINY_MOE = dict(
     hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
@@ -380,19 +379,7 @@ def build_tiny_moe(out_dir: Path, seed: int = 0, **overrides) -> Path:
     model's tokenizer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from kiln.loader.default_model import default_model_path
-    from kiln.text.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(default_model_path())
-    cfg = Qwen3MoeConfig(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **TINY_MOE
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():  # larger-than-default weights so logits have clear winners
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
+    model, tok = random_model(Qwen3MoeConfig, Qwen3MoeForCausalLM, seed, **TINY_MOE)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     config = json.loads((out_dir / "config.json").read_text())
@@ -400,71 +387,13 @@ def build_tiny_moe(out_dir: Path, seed: int = 0, **overrides) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory) -> str:
+def model_path(tmp_path_factory) -> str:
     return str(build_tiny_moe(tmp_path_factory.mktemp("tiny-qwen3-moe")))
 
 
-class Reference:
-    def __init__(self, path: str):
-        stream = _token_stream()
-        self.prompts = [make_prompt(stream, n, 37 * i) for i, n in enumerate(PROMPT_LENS)]
-        prefix = make_prompt(stream, SHARED_PREFIX, 500)
-        self.shared = [prefix + make_prompt(stream, 20, 7), prefix + make_prompt(stream, 33, 170)]
-        self.retract = [make_prompt(stream, 20 + 3 * i, 13 * i + 5) for i in range(RETRACT_N)]
-        self.model = load_hf(path)
-        eos = {self.model.config.eos_token_id} - {None}
-        self.greedy = {
-            tuple(p): hf_greedy(self.model, p, NEW_TOKENS, eos)[0] for p in self.prompts + self.shared
-        }
-        self.long = {tuple(p): hf_greedy(self.model, p, RETRACT_NEW, set())[0] for p in self.retract}
-
-    def expect(self, prompts: list[list[int]]) -> list[list[int]]:
-        return [self.greedy[tuple(p)] for p in prompts]
-
-    @torch.inference_mode()
-    def logits(self, ids: list[int], generated: list[int]) -> torch.Tensor:
-        """The logits at the last prompt position and after each generated token but the last."""
-        out = self.model(torch.tensor([ids + generated[:-1]])).logits[0].float()
-        return out[len(ids) - 1 :]
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_moe: str) -> Reference:
-    return Reference(tiny_moe)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_moe: str):
-    eng = kiln.Engine(model_path=tiny_moe, **BASE_ARGS)
-    yield eng
-    eng.shutdown()
-    gc.collect()
-
-
-def _greedy(n: int = NEW_TOKENS, **kw) -> dict:
-    return {"max_new_tokens": n, "temperature": 0.0, **kw}
-
-
-def _generate(eng: kiln.Engine, prompts: list[list[int]], **kw) -> list[dict]:
-    return eng.generate(input_ids=prompts, sampling_params=[_greedy(**kw) for _ in prompts])
-
-
-def _ids(outs: list[dict]) -> list[list[int]]:
-    return [o["output_ids"] for o in outs]
-
-
-def _assert_idle(eng: kiln.Engine) -> None:
-    rep = eng.check_integrity()
-    assert rep["ok"] and rep["in_use"] == 0, rep
+class TestQwen3MoeMatchesTransformers(EngineEquality):
+    """The shared end-to-end scenarios on the tiny Qwen3-MoE."""
 
 
 def test_the_tiny_model_is_sparse(engine: kiln.Engine) -> None:
@@ -474,85 +403,11 @@ def test_the_tiny_model_is_sparse(engine: kiln.Engine) -> None:
     assert model.model.layers[1].mlp.experts.gate_up_proj.shape == (8, 64, 64)
 
 
-def test_the_ledger_counts_the_parameters_the_model_holds(engine: kiln.Engine, tiny_moe: str) -> None:
+def test_the_ledger_counts_the_parameters_the_model_holds(engine: kiln.Engine, model_path: str) -> None:
     from kiln.memory.model_shapes import param_counts
 
     held = sum(p.numel() for p in dict(engine.scheduler.runner.model.named_parameters()).values())
-    assert sum(param_counts(json.loads(Path(tiny_moe, "config.json").read_text()), 1)) == held
-
-
-def test_logits_match_transformers(engine: kiln.Engine, ref: Reference) -> None:
-    runner = engine.scheduler.runner
-    seen: list[torch.Tensor] = []
-    inner = type(runner).forward.__get__(runner)
-
-    def forward(fb):
-        logits = inner(fb)
-        seen.append(logits.clone())
-        return logits
-
-    runner.forward = forward
-    try:
-        engine.scheduler.flush_cache()
-        ids = ref.prompts[6]
-        (out,) = _generate(engine, [ids])
-    finally:
-        del runner.forward
-    got = torch.cat(seen)
-    want = ref.logits(ids, out["output_ids"])
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-
-
-def test_each_prompt_alone(engine: kiln.Engine, ref: Reference) -> None:
-    outs = []
-    for ids in ref.prompts:
-        engine.scheduler.flush_cache()
-        outs += _generate(engine, [ids])
-    assert _ids(outs) == ref.expect(ref.prompts)
-    _assert_idle(engine)
-
-
-def test_all_batched(engine: kiln.Engine, ref: Reference) -> None:
-    engine.scheduler.flush_cache()
-    assert _ids(_generate(engine, ref.prompts)) == ref.expect(ref.prompts)
-    _assert_idle(engine)
-
-
-def test_radix_cache_hits(engine: kiln.Engine, ref: Reference) -> None:
-    engine.scheduler.flush_cache()
-    ids = ref.prompts[7]
-    first, second = _generate(engine, [ids]), _generate(engine, [ids])
-    assert second[0]["meta_info"]["cached_tokens"] >= len(ids) - 1
-    a, b = ref.shared
-    out_a, out_b = _generate(engine, [a]), _generate(engine, [b])
-    assert out_b[0]["meta_info"]["cached_tokens"] >= SHARED_PREFIX
-    assert _ids(first + second + out_a + out_b) == ref.expect([ids, ids, a, b])
-    _assert_idle(engine)
-
-
-def test_chunked_prefill(tiny_moe: str, ref: Reference) -> None:
-    eng = kiln.Engine(model_path=tiny_moe, **{**BASE_ARGS, "chunked_prefill_size": 64})
-    try:
-        prompts = ref.prompts + ref.shared
-        assert _ids(_generate(eng, prompts)) == ref.expect(prompts)
-        _assert_idle(eng)
-    finally:
-        eng.shutdown()
-
-
-def test_retraction_keeps_outputs(tiny_moe: str, ref: Reference) -> None:
-    eng = kiln.Engine(
-        model_path=tiny_moe,
-        **{**BASE_ARGS, "max_total_tokens": RETRACT_POOL, "max_running_requests": RETRACT_N},
-    )
-    try:
-        outs = _generate(eng, ref.retract, n=RETRACT_NEW, ignore_eos=True)
-        assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0, "no retraction: shrink the pool"
-        assert _ids(outs) == [ref.long[tuple(p)] for p in ref.retract]
-        _assert_idle(eng)
-    finally:
-        eng.shutdown()
+    assert sum(param_counts(json.loads(Path(model_path, "config.json").read_text()), 1)) == held
 
 
 def test_an_unknown_scoring_function_is_refused_at_startup(tmp_path: Path) -> None:
@@ -560,30 +415,3 @@ def test_an_unknown_scoring_function_is_refused_at_startup(tmp_path: Path) -> No
     with pytest.raises(Exception, match="scoring_func 'foo'") as err:
         kiln.Engine(model_path=str(path), **BASE_ARGS)
     assert "softmax" in str(err.value)
-
-
-@pytest.mark.slow
-def test_over_http(tiny_moe: str, ref: Reference, tmp_path: Path) -> None:
-    srv = ServerProcess(
-        [
-            "--model-path",
-            tiny_moe,
-            "--max-total-tokens",
-            "8192",
-            "--num-threads",
-            "1",
-            "--chunked-prefill-size",
-            "128",
-        ],
-        tmp_path / "serve.log",
-    )
-    try:
-        srv.wait_ready()
-        prompts = ref.prompts[:6] + ref.shared
-        body = {"input_ids": prompts, "sampling_params": _greedy()}
-        r = httpx.post(f"{srv.url}/generate", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert [o["output_ids"] for o in r.json()] == ref.expect(prompts)
-        assert_pool_at_baseline(srv.url)
-    finally:
-        srv.stop()

@@ -112,14 +112,16 @@ def test_suggested_fix_makes_plan_pass(capsys, model_dir, argv):
     assert "verdict: fits" in out
 
 
-def test_weights_beyond_one_gpu_offer_no_flag_serve_refuses(capsys, model_dir):
-    # more ranks would hold the weights, but `kiln serve` runs one rank today: no --tp-size fix is offered
+def test_weights_beyond_one_gpu_offer_more_ranks(capsys, model_dir):
+    # Llama 3.1 8B's 16 GB of bf16 weights fit in 12 GiB GPUs only split four ways: the fix names --tp-size 4,
+    # verified by recomputing the ledger
     argv = ["--model-path", model_dir(LLAMA_31_8B), "--device", "cuda", "--device-memory", "12GiB"]
     rc, out, _ = run_plan(capsys, argv + ["--json"])
     failure = json.loads(out)["failure"]
     assert rc == 1 and failure["moment"] == "load_weights"
-    assert failure["fix_flags"] == {} and "--tp-size" not in failure["fix"]
-    assert "no flag fixes this here" in failure["fix"] and "more GPUs" in failure["fix"]
+    assert failure["fix_flags"] == {"--tp-size": "4"} and "--tp-size 4" in failure["fix"]
+    rc, _, _ = run_plan(capsys, argv + as_argv(failure["fix_flags"]))
+    assert rc == 0
 
 
 def test_prefill_failure_message_has_numbers(capsys, model_dir):

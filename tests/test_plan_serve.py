@@ -13,7 +13,7 @@ import pytest
 import kiln.plan as plan
 from kiln.config import ServerArgs
 from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
-from kiln.distributed import kv_heads_per_rank
+from kiln.core.sharding import kv_heads_per_rank
 from kiln.loader.default_model import default_model_path
 from kiln.loader.model_config import read_hf_config
 from kiln.memory.fix_search import flags_argv, offered_fixes, serve_accepts
@@ -87,7 +87,7 @@ def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flag
         fixed = serve_args(argv + flags_argv(fix.flags))  # the later flag wins, as on a command line
         assert fixed.serve_refusal() is None
         assert compute_ledger(LedgerInputs.from_args(fixed, inputs.hf_config)).fits, fix.text
-        assert "--tp-size" not in fix.text and "fp8" not in fix.text
+        assert "fp8" not in fix.text  # not a --kv-cache-dtype serve takes yet
     rc, data = plan_json(capsys, argv)
     assert rc == 1 and data["failure"]["fix_flags"] == fixes[0].flags
     assert data["failure"]["fix"] == "use " + ", or ".join(fix.text for fix in fixes)
@@ -96,7 +96,8 @@ def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flag
 def test_serve_accepts_only_what_serve_runs():
     assert serve_accepts({"--mem-fraction-static": "0.8"}) and serve_accepts({"--disable-cuda-graph": ""})
     assert not serve_accepts({"--kv-cache-dtype": "fp8_e4m3"})  # not a --kv-cache-dtype choice yet
-    assert not serve_accepts({"--tp-size": "2"})  # valid, but serve runs one rank today
+    assert serve_accepts({"--tp-size": "2"})
+    assert not serve_accepts({"--tp-size": "0"})
     assert not serve_accepts({"--mem-fraction-static": "1"})
     assert not serve_accepts({"--no-such-flag": ""})
 

@@ -56,6 +56,9 @@ CASES = {
     "malformed-json-chat": (CHAT, b'{"messages": [', 400, "body"),
     "malformed-json-generate": (GEN, b'{"text": "Hi"', 400, "body"),
     "body-not-an-object": (CMPL, b"[1, 2]", 400, "body"),
+    "body-not-utf8": (CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "body"),
+    "body-nested-without-end": (GEN, b"[" * 100_000 + b"]" * 100_000, 400, "body"),
+    "body-integer-too-long": (CMPL, b'{"prompt": "Hi", "seed": ' + b"7" * 5000 + b"}", 400, "body"),
     "wrong-type": (CMPL, {"prompt": "Hi", "temperature": "hot"}, 400, "temperature"),
     "bad-role": (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     # empty prompts

@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass
 
 # The startup-failure tests' hook: make the engine process crash or stall when it enters a startup phase, so
-# that the front's handling of a dead or silent engine can be tested end to end. "crash:<phase>" | "stall:<phase>".
+# that the front's handling of a dead or silent engine can be tested end to end. "crash:<phase>" | "stall:<phase>",
+# with "@<rank>" to hit one tensor-parallel rank alone ("crash:loading_weights@1"; rank 0 without it).
 KILN_FAULT = "KILN_FAULT"
 # inductor's own on-disk cache directory; the default for --compile-cache-dir when set.
 TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
@@ -24,6 +25,7 @@ class EnvError(ValueError):
 class Fault:
     kind: str  # one of FAULT_KINDS
     phase: str
+    rank: int = 0  # the tensor-parallel rank it hits
 
 
 def fault() -> Fault | None:
@@ -31,10 +33,11 @@ def fault() -> Fault | None:
     raw = os.environ.get(KILN_FAULT, "")
     if not raw:
         return None
-    kind, sep, phase = raw.partition(":")
-    if kind not in FAULT_KINDS or not sep or not phase:
-        raise EnvError(f"{KILN_FAULT}={raw!r}: expected crash:<phase> or stall:<phase>")
-    return Fault(kind, phase)
+    kind, sep, rest = raw.partition(":")
+    phase, at, rank = rest.partition("@")
+    if kind not in FAULT_KINDS or not sep or not phase or (at and not rank.isdigit()):
+        raise EnvError(f"{KILN_FAULT}={raw!r}: expected crash:<phase> or stall:<phase>, optionally @<rank>")
+    return Fault(kind, phase, int(rank) if at else 0)
 
 
 def inductor_cache_dir() -> str | None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.distributed import all_reduce, divide, kv_heads_per_rank, tp_rank, tp_size
+from kiln.core.sharding import divide, kv_heads_per_rank
+from kiln.distributed import all_reduce, tp_rank, tp_size
 from kiln.layers.cpu_gemm import linear, prepack
 from kiln.layers.quant_rows import keep_rows, pop_rows
 
@@ -89,6 +90,26 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank = kv_size, tp_rank() // self.kv_replicas
         self._copy_rows(param, loaded, offset, rank * size, size)
+
+
+class ReplicatedLinear(_PrepackableLinear):
+    """y = x W^T with the whole W on every rank: a projection whose output every rank reads whole (the latent
+    attention's down-projections, q_a_proj and kv_a_proj_with_mqa)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = _param((out_features, in_features), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.shape != loaded.shape:
+            raise ValueError(
+                f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
+            )
+        param.data.copy_(loaded)
+        keep_rows(param, loaded, 0, 0, param.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, None, self.packed)
 
 
 class RowParallelLinear(_PrepackableLinear):

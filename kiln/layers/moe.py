@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.distributed import all_reduce, divide, tp_rank, tp_size
+from kiln.core.sharding import divide
+from kiln.distributed import all_reduce, tp_rank, tp_size
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from kiln.layers.rotary import check_choice as _check_choice

@@ -5,6 +5,7 @@ of two slices, a negation and a concatenation per call."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -65,3 +66,27 @@ class RotaryEmbedding(nn.Module):
     def apply(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]."""
         return x * cos_sin[0] + torch.roll(x, self.half, dims=-1) * cos_sin[1]
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] with rotary pairs interleaved (x0, x1), (x2, x3), ... -> evens then odds, the half-split layout
+    `apply` rotates. DeepSeek's checkpoints lay their rope dimensions out interleaved (rope_interleave);
+    transformers rotates them as pairs, which gives exactly the half-split rotation of the de-interleaved
+    vector, in that layout."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(hf_config: Any, head_dim: int) -> float:
+    """DeepSeek's attention scale: head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 when the rope is scaled
+    and the config names mscale_all_dim (yarn stretches the logits' range; this undoes it), as transformers'
+    DeepseekV3Attention does."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scale = head_dim**-0.5
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale *= m * m
+    return scale

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.layers.quant_rows import pop_rows
+from kiln.loader import fp8
 from kiln.models.config import ModelConfig
 from kiln.models.registry import model_class
 
@@ -37,6 +38,9 @@ def iter_weights(cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         from kiln.loader.gguf_loader import iter_gguf_tensors
 
         return iter_gguf_tensors(cfg.model_path)
+    quant = cfg.config_dict.get("quantization_config")
+    if fp8.is_fp8_config(quant):  # dequantized here, on the CPU: the model loads plain weights
+        return fp8.dequantize_stream(iter_safetensors(cfg.model_path), fp8.block_size(quant))
     return iter_safetensors(cfg.model_path)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from kiln.config import ServerArgs
 from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
+from kiln.core.sharding import tp_size_problems
 from kiln.core.units import gib
 from kiln.memory.ledger_types import Ledger, LedgerInputs
 from kiln.memory.model_shapes import param_counts, weight_bytes
@@ -49,8 +50,8 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def serve_accepts(flags: dict[str, str]) -> bool:
     """Whether `kiln serve` takes these flags today: its parser and ServerArgs' checks accept them and it runs what
-    they ask for. A fix serve would refuse (an fp8 KV cache, more tensor-parallel ranks) is searched for but not
-    offered, so the search offers it again by itself once serve accepts it."""
+    they ask for. A fix serve would refuse (an fp8 KV cache) is searched for but not offered, so the search offers
+    it again by itself once serve accepts it."""
     try:
         args = ServerArgs.from_cli(_serve_parser().parse_args(flags_argv(flags)))
     except (ValueError, argparse.ArgumentError):
@@ -174,10 +175,11 @@ def _dtype_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
 
 
 def _tp_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
-    """The fewest tensor-parallel ranks (a power of two above the current count) the model fits on."""
+    """The fewest tensor-parallel ranks (a power of two above the current count, one that splits the model's
+    heads and dimensions) the model fits on."""
     for tp in (2, 4, 8, 16):
         trial = replace(inputs, tp_size=tp)
-        if tp > inputs.tp_size and _fits(core, trial):
+        if tp > inputs.tp_size and not tp_size_problems(inputs.hf_config, tp) and _fits(core, trial):
             weights = weight_bytes(inputs.hf_config, tp, dtype_bytes(inputs.dtype))
             yield Candidate(
                 {"--tp-size": str(tp)}, trial, f"--tp-size {tp} (weights {gib(weights)} per rank)"

@@ -46,3 +46,42 @@ class KVPool:
     @property
     def v_bytes(self) -> int:
         return sum(t.nbytes for t in self.v)
+
+
+class LatentKVPool:
+    """The token -> KV pool of multi-head latent attention: per layer one row per token slot holding the
+    compressed KV latent (kv_lora_rank) and the rotated rope key (qk_rope_head_dim) every head shares, and no V
+    half, since values come out of the same latent. Its bytes are the ledger's MLA cell, (lora + rope) x layers
+    x element bytes per token. Rows are shaped [slots, 1, width]: one KV head, which every query head reads."""
+
+    def __init__(
+        self,
+        num_tokens: int,
+        page_size: int,
+        num_layers: int,
+        width: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_tokens = num_tokens
+        self.page_size = page_size
+        shape = (num_tokens + page_size, 1, width)  # plus the reserved padding page
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = []
+
+    def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """latent: [T, width] rows of the new tokens."""
+        self.k[layer][slots] = latent.unsqueeze(1).to(self.k[layer].dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The latent rows of `slots` (any shape), shaped [*slots.shape, width]."""
+        rows = self.k[layer].index_select(0, slots.reshape(-1))
+        return rows.view(*slots.shape, rows.shape[-1])
+
+    @property
+    def k_bytes(self) -> int:
+        return sum(t.nbytes for t in self.k)
+
+    @property
+    def v_bytes(self) -> int:
+        return 0

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from kiln.core.dtypes import dtype_bytes
-from kiln.distributed import kv_heads_per_rank
+from kiln.core.sharding import kv_heads_per_rank
 
 _NON_KV_LAYER_TYPES = {"linear_attention", "mamba", "mamba2", "conv", "recurrent"}
 
@@ -95,8 +95,8 @@ def _attn_params(cfg: dict, tp: int) -> float:
             int(cfg.get("qk_nope_head_dim") or 0),
         )
         vd, qr = int(cfg.get("v_head_dim") or nope), cfg.get("q_lora_rank")
-        q = (h * qr + qr + qr * nh * (nope + rope) / tp) if qr else h * nh * (nope + rope) / tp
-        return q + h * (lora + rope) + lora + lora * nh * (nope + vd) / tp + nh * vd * h / tp
+        q = (h * qr + qr * nh * (nope + rope) / tp) if qr else h * nh * (nope + rope) / tp
+        return q + h * (lora + rope) + lora * nh * (nope + vd) / tp + nh * vd * h / tp
     hd, kvr = head_dim(cfg), kv_heads_per_rank(kv_heads(cfg), tp)
     params = 2 * h * nh * hd / tp + 2 * h * kvr * hd
     if cfg.get("attention_bias") or cfg.get("model_type") in ("qwen2", "qwen2_moe"):
@@ -104,6 +104,13 @@ def _attn_params(cfg: dict, tp: int) -> float:
     if str(cfg.get("model_type", "")).startswith("qwen3"):
         params += 2 * hd  # q_norm, k_norm
     return params
+
+
+def _attn_norm_params(cfg: dict) -> int:
+    """MLA's q_a_layernorm and kv_a_layernorm: replicated, and never quantized with the linears."""
+    if not is_mla(cfg):
+        return 0
+    return int(cfg.get("q_lora_rank") or 0) + int(cfg["kv_lora_rank"])
 
 
 def _mlp_params(cfg: dict, i: int, tp: int) -> tuple[float, float]:
@@ -114,6 +121,21 @@ def _mlp_params(cfg: dict, i: int, tp: int) -> tuple[float, float]:
     n, inter, shared, _ = _experts(cfg)
     router = h * n + (h if cfg.get("shared_expert_intermediate_size") else 0)  # + shared-expert gate
     return 3 * h * (n * inter + shared) / tp, float(router)
+
+
+# architectures whose router gate is float32 whatever the serving dtype (transformers keeps it so, and Kiln too)
+_FLOAT32_ROUTER_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+def _router_extra_bytes(cfg: dict, element_bytes: int) -> int:
+    """Router bytes beyond their params x element bytes: DeepSeek-V3's float32 gate, and the float32
+    e_score_correction_bias of noaux_tc routing (a buffer in transformers, so not among param_counts, though
+    every checkpoint and Kiln's model hold it). Not split by TP: every rank routes."""
+    float32_gate = cfg.get("model_type") in _FLOAT32_ROUTER_TYPES
+    method = cfg.get("topk_method") or ("noaux_tc" if float32_gate else "greedy")
+    n, h = _experts(cfg)[0], required(cfg, "hidden_size")
+    per_layer = (h * n * (4 - element_bytes) if float32_gate else 0) + (n * 4 if method == "noaux_tc" else 0)
+    return per_layer * sum(_moe_layer(cfg, i) for i in range(required(cfg, "num_hidden_layers")))
 
 
 def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
@@ -130,7 +152,7 @@ def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
     for i in range(layers):
         mlp, small = _mlp_params(cfg, i, tp_size)
         linear += _attn_params(cfg, tp_size) + mlp
-        other += 2 * h + small
+        other += 2 * h + small + _attn_norm_params(cfg)
     return round(linear), round(other)
 
 
@@ -147,7 +169,9 @@ def _linear_bytes_per_param(hf_config: dict, element_bytes: int) -> tuple[float,
     method = str(q.get("quant_method") or "").lower()
     if not method:
         return float(element_bytes), ""
-    if "fp8" in method or method in ("compressed-tensors", "modelopt"):
+    if "fp8" in method:  # kiln/loader/fp8.py dequantizes the blocks at load: the weights are held unquantized
+        return float(element_bytes), f"{method} checkpoint dequantized at load"
+    if method in ("compressed-tensors", "modelopt"):
         return 1.0 + 4 / (128 * 128), f"{method} (1 B + block scales)"
     if method in ("mxfp4", "modelopt_fp4", "nvfp4"):
         return 0.5 + 1 / 32, f"{method} (0.5 B + scales)"
@@ -166,7 +190,8 @@ def weight_bytes(hf_config: dict, tp_size: int, element_bytes: int) -> int:
         return math.ceil(int(f32) / 4 * element_bytes / tp_size)
     linear, other = param_counts(hf_config, tp_size)
     per_param, _ = _linear_bytes_per_param(hf_config, element_bytes)
-    return math.ceil(linear * per_param + other * element_bytes)
+    extra = _router_extra_bytes(text_config(hf_config), element_bytes)
+    return math.ceil(linear * per_param + other * element_bytes) + extra
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# model types transformers does not know that are an architecture it does know under another name: Kimi-K2's
+# config.json names the DeepSeek-V3 architecture with its own model type
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    """Multi-head latent attention's widths (DeepSeek-V2/V3, Kimi-K2): queries through an optional low-rank
+    projection, keys and values through one compressed latent per token that the KV pool holds."""
+
+    q_lora_rank: int | None  # None: queries straight from the hidden state (q_proj)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """One token's KV pool row: the normalized latent, then the rotated shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> MlaDims | None:
+        if not getattr(hf, "kv_lora_rank", None):
+            return None
+        nope = int(hf.qk_nope_head_dim)
+        return cls(
+            q_lora_rank=int(hf.q_lora_rank) if getattr(hf, "q_lora_rank", None) else None,
+            kv_lora_rank=int(hf.kv_lora_rank),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=int(hf.qk_rope_head_dim),
+            v_head_dim=int(getattr(hf, "v_head_dim", None) or nope),
+        )
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -26,6 +64,7 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     is_gguf: bool
+    mla: MlaDims | None = None  # set for latent attention: the KV pool then holds one latent row per token
 
     @classmethod
     def from_hf_dict(cls, model_path: str, d: dict) -> ModelConfig:
@@ -33,7 +72,7 @@ class ModelConfig:
         from transformers import AutoConfig
 
         clean = {k: v for k, v in d.items() if not k.startswith("kiln_") and k != "model_type"}
-        hf = AutoConfig.for_model(d["model_type"], **clean)
+        hf = AutoConfig.for_model(MODEL_TYPE_ALIASES.get(d["model_type"], d["model_type"]), **clean)
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         eos = d.get("eos_token_id")
@@ -55,4 +94,5 @@ class ModelConfig:
             max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
             eos_token_ids=eos_ids,
             is_gguf=model_path.endswith(".gguf"),
+            mla=MlaDims.from_hf(hf),
         )

@@ -17,7 +17,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.weight_utils import default_weight_loader
 
 # checkpoint name fragment -> (merged parameter name fragment, shard id)
-STACKED_PARAMS = [
+STACKED_PARAMS: list[tuple[str, str, str | int]] = [
     (".q_proj", ".qkv_proj", "q"),
     (".k_proj", ".qkv_proj", "k"),
     (".v_proj", ".qkv_proj", "v"),
@@ -110,6 +110,8 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = (
         LlamaDecoderLayer  # one class for every layer: graphs compile it once
     )
+    # the checkpoint's separate projections that load into one merged parameter each
+    stacked_params = STACKED_PARAMS
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -147,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
             shard_id = None
-            for ckpt, merged, sid in STACKED_PARAMS:
+            for ckpt, merged, sid in self.stacked_params:
                 if ckpt in name:
                     name, shard_id = name.replace(ckpt, merged), sid
                     break

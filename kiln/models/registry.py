@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from kiln.models import llama, qwen3_moe
+from kiln.models import deepseek_v3, llama, qwen3_moe
 
 MODELS: dict[str, type[nn.Module]] = {
+    "DeepseekV3ForCausalLM": deepseek_v3.DeepseekV3ForCausalLM,  # Kimi-K2's config names it too
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.MistralForCausalLM,
     "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,

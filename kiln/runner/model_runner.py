@@ -10,12 +10,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.core.forward_batch import ForwardBatch
+from kiln.core.sharding import divide, kv_heads_per_rank
 from kiln.core.units import gib
-from kiln.distributed import divide, kv_heads_per_rank, tp_size
+from kiln.distributed import tp_size
 from kiln.layers.cpu_gemm import packed_layout_name
 from kiln.loader.weights import LoadedModel, load_model
 from kiln.memory.allocator import TokenAllocator
-from kiln.memory.kv_pool import KVPool
+from kiln.memory.kv_pool import KVPool, LatentKVPool
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.models.config import ModelConfig
 from kiln.platform import available_memory_bytes, current_rss_bytes
@@ -72,20 +73,24 @@ class ModelRunner:
             f"Prepacked {loaded.prepacked_weights} linear weights into {packed_layout_name()} CPU layout{kept}."
         )
 
+    def _make_kv_pool(self, sizes: PoolSizes) -> KVPool | LatentKVPool:
+        """The pool of the model's KV layout: one latent row per token for latent attention (MLA, the same on
+        every rank), K and V heads (this rank's) otherwise."""
+        cfg = self.model_config
+        tokens, page = sizes.max_total_num_tokens, sizes.page_size
+        if cfg.mla is not None:
+            width = cfg.mla.latent_width
+            return LatentKVPool(tokens, page, cfg.num_layers, width, self.kv_dtype, self.device)
+        heads = kv_heads_per_rank(cfg.num_kv_heads, tp_size())
+        return KVPool(tokens, page, cfg.num_layers, heads, cfg.head_dim, self.kv_dtype, self.device)
+
     def init_memory_pool(self, sizes: PoolSizes) -> None:
         cfg, tp = self.model_config, tp_size()
-        self.kv_pool = KVPool(
-            sizes.max_total_num_tokens,
-            sizes.page_size,
-            cfg.num_layers,
-            kv_heads_per_rank(cfg.num_kv_heads, tp),
-            cfg.head_dim,
-            self.kv_dtype,
-            self.device,
-        )
+        self.kv_pool = self._make_kv_pool(sizes)
         self.table = ReqToTokenPool(sizes.max_running_requests, sizes.context_len, self.device)
         self.allocator = TokenAllocator(sizes.max_total_num_tokens, sizes.page_size, self.device)
-        self.attn_backend = make_attention_backend(self.kv_pool, divide(cfg.num_heads, tp), self.dtype)
+        lora = cfg.mla.kv_lora_rank if cfg.mla is not None else 0
+        self.attn_backend = make_attention_backend(self.kv_pool, divide(cfg.num_heads, tp), self.dtype, lora)
         self.model.attn = self.attn_backend
         self.measured["kv_pool"] = self.kv_pool.k_bytes + self.kv_pool.v_bytes
         self.measured["req_table"] = self.table.req_to_token.nbytes

@@ -8,13 +8,16 @@ import signal
 import time
 import traceback
 import uuid
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 import kiln.core.envs as envs
+import kiln.distributed as distributed
+import kiln.platform as platform
 from kiln.config import ServerArgs
-from kiln.core.logs import configure_logging
+from kiln.core.logs import configure_logging, rank_tag
 from kiln.scheduler.io import (
     AbortReq,
     BatchOut,
@@ -25,6 +28,8 @@ from kiln.scheduler.io import (
     GenerateReq,
     PhaseEntered,
     Progress,
+    RankFailed,
+    RankReady,
     ReqOutput,
     ServerInfo,
     StartupFailed,
@@ -35,21 +40,40 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kiln")
 HEARTBEAT_SECONDS = 1.0
+# the exit code of a rank whose collective failed because another rank died or went silent: the front names a
+# rank that ended otherwise, the one that caused it
+PEER_FAILED_EXIT = 4
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Which tensor-parallel rank an engine process is, and where the group meets (tcp://HOST:PORT)."""
+
+    rank: int = 0
+    local_rank: int = 0  # its index among the ranks on this node
+    local_ranks: int = 1  # the ranks on this node, which share its cores
+    init_method: str | None = None
+    beat: Any = (
+        None  # a shared double the loop stamps with time.time() each iteration (tp > 1), read by the front
+    )
 
 
 class _StartupReporter:
     """Sends the engine's startup phases and progress to the front, and makes the test hook KILN_FAULT crash or
     stall the process when it enters the phase the hook names."""
 
-    def __init__(self, status_queue, fault: envs.Fault | None):
+    def __init__(self, status_queue, fault: envs.Fault | None, rank: int = 0):
         self.status_queue = status_queue
-        self.fault = fault
+        self.fault = fault if fault is not None and fault.rank == rank else None
+        self.rank = rank
+        self.phase = "launching"
 
     def __call__(self, name: str, info: dict) -> None:
         if name == "progress":
-            self.status_queue.put(Progress(info))
+            self.status_queue.put(Progress(info, self.rank))
             return
-        self.status_queue.put(PhaseEntered(name, info))
+        self.phase = name
+        self.status_queue.put(PhaseEntered(name, info, self.rank))
         if self.fault is not None and self.fault.phase == name:
             self._inject(self.fault.kind, name)
 
@@ -74,30 +98,95 @@ def _die_with_parent() -> None:
         pass
 
 
-def engine_main(args: ServerArgs, recv_addr: str, send_addr: str, status_queue) -> None:
-    """Entry point of the child process. Reports PhaseEntered, Progress, then EngineReady or StartupFailed on
-    status_queue during startup (kiln.scheduler.io)."""
+def _pin_threads(spec: RankSpec) -> None:
+    """CPU ranks on one node split its cores: each is pinned to its share, so tp 2 on 2 cores runs one thread per
+    rank instead of two ranks of two threads preempting each other inside every collective."""
+    cores = sorted(os.sched_getaffinity(0))
+    if spec.local_ranks <= 1 or not cores:
+        return
+    n = len(cores)
+    share = cores[spec.local_rank * n // spec.local_ranks : (spec.local_rank + 1) * n // spec.local_ranks]
+    os.sched_setaffinity(0, share or [cores[spec.local_rank % n]])
+    logger.info(f"CPU threads pinned to cores {sorted(os.sched_getaffinity(0))}")
+
+
+def _join_group(args: ServerArgs, spec: RankSpec) -> None:
+    """Pin this rank's threads and join the tensor-parallel group (before any layer is built: layers shard by it)."""
+    if args.tp_size == 1:
+        return
+    device = platform.detect_device() if args.device == "auto" else args.device
+    if device == "cpu":
+        _pin_threads(spec)
+    else:
+        import torch
+
+        torch.cuda.set_device(spec.local_rank)
+    # a collective waits a little past the front's watchdog, so the front names the silent rank first
+    distributed.init_tp(spec.rank, args.tp_size, device, spec.init_method, args.watchdog_timeout + 30)
+
+
+def engine_main(
+    args: ServerArgs, recv_addr: str, send_addr: str, status_queue, spec: RankSpec = RankSpec()
+) -> None:
+    """Entry point of a rank's process. Reports PhaseEntered, Progress, then EngineReady (rank 0) or RankReady, or
+    StartupFailed, on status_queue during startup (kiln.scheduler.io). Rank 0 alone talks to the front over ZMQ."""
     _die_with_parent()
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, rank_tag(spec.rank, args.tp_size))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when to stop
+    reporter = _StartupReporter(status_queue, envs.fault(), spec.rank)
     try:
         from kiln.scheduler.launch import build_engine
 
-        parts = build_engine(args, on_phase=_StartupReporter(status_queue, envs.fault()))
+        _join_group(args, spec)
+        parts = build_engine(args, on_phase=reporter)
+        if args.tp_size > 1:  # from here a rank waits on the others: its silence is theirs
+            status_queue.put(RankReady(spec.rank))
+        info = server_info(parts)
     except Exception as e:
         logger.error(f"engine startup failed: {e}")
-        status_queue.put(StartupFailed(str(e), traceback.format_exc()))
+        status_queue.put(StartupFailed(str(e), traceback.format_exc(), spec.rank))
+        return
+    if spec.rank != 0:
+        _serve(EngineLoop(parts, None, None, spec.beat), reporter, status_queue)
         return
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.bind(recv_addr)
     send = ctx.socket(zmq.PUSH)
     send.connect(send_addr)
-    status_queue.put(EngineReady(server_info(parts)))
-    EngineLoop(parts, recv, send).run()
+    status_queue.put(EngineReady(info))
+    _serve(EngineLoop(parts, recv, send, spec.beat), reporter, status_queue)
+
+
+def _serve(loop: EngineLoop, reporter: _StartupReporter, status_queue) -> None:
+    """The loop until the front stops this process; with several ranks, a collective that fails (another rank
+    died or went silent) ends this one with its reason reported."""
+    if loop.beat is not None:  # the front reads a rank's beat from here on
+        loop.beat.value = time.time()
+    reporter("serving", {})
+    try:
+        loop.run()
+    except Exception as e:
+        if distributed.tp_size() == 1:
+            raise
+        logger.error(f"rank {distributed.tp_rank()} stops: {e!r}")
+        status_queue.put(RankFailed(distributed.tp_rank(), "serving", f"{type(e).__name__}: {e}"))
+        status_queue.close()
+        status_queue.join_thread()
+        os._exit(PEER_FAILED_EXIT)
 
 
 def server_info(parts: EngineParts) -> ServerInfo:
+    """What the engine resolved and measured. With several ranks every rank calls it at the same point of the
+    loop (startup's end, the server_info control each rank receives), for the ranks' memory checks are gathered."""
+    info = _rank_info(parts)
+    if distributed.tp_size() == 1:
+        return info
+    checks = distributed.all_gather_objects(info.memory_check)
+    return replace(info, tp_size=distributed.tp_size(), memory_check_per_rank=checks)
+
+
+def _rank_info(parts: EngineParts) -> ServerInfo:
     from kiln.memory.measure import memory_check, peak_rss_bytes
 
     ledger = parts.ledger
@@ -121,26 +210,53 @@ def server_info(parts: EngineParts) -> ServerInfo:
 
 
 class EngineLoop:
-    def __init__(self, parts: EngineParts, recv: zmq.Socket, send: zmq.Socket):
+    """One rank's loop. Rank 0 receives the front's messages; with several ranks it broadcasts them at the start of
+    every iteration, every rank handles the same messages in the same order and runs the same deterministic
+    scheduler on them (the sampled tokens come from rank 0 too), and rank 0 alone answers the front. With one
+    rank nothing is broadcast."""
+
+    def __init__(
+        self, parts: EngineParts, recv: zmq.Socket | None, send: zmq.Socket | None, beat: Any = None
+    ):
         self.parts = parts
+        self.beat = beat
         self.sched = parts.scheduler
         self.recv, self.send = recv, send
+        self.tp = distributed.tp_size()
         self.poller = zmq.Poller()
-        self.poller.register(recv, zmq.POLLIN)
+        if recv is not None:
+            self.poller.register(recv, zmq.POLLIN)
 
-    def run(self) -> None:
-        last_sent = 0.0
-        while True:
+    def _receive(self) -> list:
+        """The front's messages since the last iteration (rank 0); then, with several ranks, rank 0's on every rank."""
+        msgs: list = []
+        if self.recv is not None:
             timeout = 0 if self.sched.has_work else 100
             if self.poller.poll(timeout):
                 while True:
                     try:
-                        msg = self.recv.recv_pyobj(zmq.NOBLOCK)
+                        msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                    self.handle(msg)
+        if self.tp == 1:
+            return msgs
+        if (
+            self.recv is not None
+        ):  # deadlines are read off rank 0's clock, so every rank expires the same requests
+            msgs.extend(self.sched.expired_aborts())
+        return distributed.broadcast_objects(msgs if self.recv is not None else None)
+
+    def run(self) -> None:
+        last_sent = 0.0
+        while True:
+            if self.beat is not None:
+                self.beat.value = time.time()
+            for msg in self._receive():
+                self.handle(msg)
             outs = self._step() if self.sched.has_work else self.sched.take_outputs()
             now = time.time()
+            if self.send is None:
+                continue
             if outs or now - last_sent >= HEARTBEAT_SECONDS:  # an empty batch is the heartbeat
                 self.send.send_pyobj(BatchOut(outs, self.sched.make_stats()))
                 last_sent = now
@@ -170,7 +286,9 @@ class EngineLoop:
         elif isinstance(msg, AbortReq):
             self.sched.abort(msg)
         elif isinstance(msg, ControlReq):
-            self.send.send_pyobj(self.control(msg))
+            out = self.control(msg)  # every rank runs it (a flush, the gathered server info); rank 0 answers
+            if self.send is not None:
+                self.send.send_pyobj(out)
 
     def control(self, msg: ControlReq) -> ControlOut:
         s = self.sched

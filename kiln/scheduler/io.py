@@ -147,6 +147,9 @@ class ServerInfo:
     memory_check: list[dict[str, Any]]  # kiln.memory.measure.memory_check rows
     graphs: dict[str, Any] | None  # the captured graphs' summary; None without graphs
     pid: int
+    tp_size: int = 1
+    # with several tensor-parallel ranks, each rank's memory_check rows in rank order (memory_check is rank 0's)
+    memory_check_per_rank: list[list[dict[str, Any]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,10 +173,12 @@ class ControlOut:
 # ---------------------------------------------------------------------------------------------- startup
 @dataclass(frozen=True)
 class PhaseEntered:
-    """The engine began a startup phase (kiln.server.startup.PHASES)."""
+    """The engine began a startup phase (kiln.server.startup.PHASES, or "serving" once its loop starts, which
+    only names the phase a rank died in); rank is the tensor-parallel rank that did."""
 
     name: str
     info: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,24 @@ class Progress:
     """Progress inside the current phase (weights loaded, graphs captured so far)."""
 
     info: dict[str, Any]
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class RankReady:
+    """A rank (of several) built its engine; from here on it waits on the others, and its silence is theirs."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    """A rank ended after startup: in which phase, and why (a collective that timed out waiting for a silent rank,
+    an error in a step)."""
+
+    rank: int
+    phase: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -192,6 +215,7 @@ class EngineReady:
 class StartupFailed:
     reason: str
     traceback: str
+    rank: int = 0
 
 
-StartupMessage = PhaseEntered | Progress | EngineReady | StartupFailed
+StartupMessage = PhaseEntered | Progress | RankReady | RankFailed | EngineReady | StartupFailed

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+import kiln.core.sharding as sharding
+import kiln.distributed as distributed
 from kiln.config import ServerArgs
 from kiln.core.dtypes import torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
@@ -53,8 +55,29 @@ class MemoryPlan:
 def plan_ledger(args: ServerArgs, hf_config: dict | None = None) -> MemoryPlan:
     """Serve's memory plan for these arguments (`kiln plan` computes the same ledger). Raises ValueError."""
     config = hf_config if hf_config is not None else read_hf_config(args.model_path)
-    inputs = LedgerInputs.from_args(args, config)
+    inputs = _agreed(LedgerInputs.from_args(args, config))
     return MemoryPlan(inputs, compute_ledger(inputs))
+
+
+def _agreed(inputs: LedgerInputs) -> LedgerInputs:
+    """With several ranks, the memory every rank can hold (a MIN all-reduce of what each probed), so that every
+    rank computes the same ledger and allocates the same pool before anything is allocated."""
+    total, available = distributed.min_across_ranks(
+        [inputs.device_memory_bytes, inputs.available_memory_bytes]
+    )
+    return replace(inputs, device_memory_bytes=total, available_memory_bytes=available)
+
+
+def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
+    """Why --tp-size cannot split this model (a dimension it does not divide), naming the sizes that can."""
+    problems = sharding.tp_size_problems(hf_config, args.tp_size)
+    if not problems:
+        return None
+    sizes = ", ".join(str(tp) for tp in sharding.valid_tp_sizes(hf_config))
+    return (
+        f"--tp-size {args.tp_size} does not divide this model's {', '.join(problems)}; tensor-parallel sizes "
+        f"that work: {sizes}"
+    )
 
 
 def capture_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, on_progress) -> None:
@@ -145,7 +168,15 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
     refusal = args.serve_refusal()
     if refusal:
         raise StartupRefused(refusal)
+    if args.tp_size != distributed.tp_size():  # the layers shard by the group this process joined
+        raise StartupRefused(
+            f"--tp-size {args.tp_size} runs one process per rank (`kiln serve --tp-size {args.tp_size}`); this "
+            f"process is one of {distributed.tp_size()}"
+        )
     hf_config = read_hf_config(args.model_path)
+    refusal = tp_refusal(args, hf_config)
+    if refusal:
+        raise StartupRefused(refusal)
     plan = _checked_plan(args, hf_config)
     ledger, device = plan.ledger, plan.inputs.device
     if device == "cpu":

@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import torch
 
+import kiln.distributed as distributed
 from kiln.memory.prefix_cache import NoPrefixCache
 from kiln.memory.radix_cache import RadixCache
 from kiln.runner.model_runner import ModelRunner
@@ -32,6 +33,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 IN_BATCH_PREFIX_TOKENS = 32  # SGLang's IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+DEADLINE_MESSAGE = "request timed out (--request-timeout)"
 
 
 class Scheduler:
@@ -87,6 +89,7 @@ class Scheduler:
         self.integrity_violations = 0
         self._decode_tokens_since_log = 0
         self._decode_log_t0 = time.perf_counter()
+        self._comm_logged = 0.0  # distributed.comm_seconds() at the last decode log
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, msg: GenerateReq) -> None:
@@ -140,8 +143,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked)
 
     def step(self) -> list[ReqOutput]:
-        """One scheduling iteration; returns the outputs it produced."""
-        self._expire_deadlines()
+        """One scheduling iteration; returns the outputs it produced. With several tensor-parallel ranks, rank 0's
+        loop turns expired deadlines into aborts every rank receives (expired_aborts) instead."""
+        if distributed.tp_size() == 1:
+            self._expire_deadlines()
         batch = None
         if not (self.last_was_prefill and self.running):
             batch = self._build_prefill()
@@ -159,9 +164,17 @@ class Scheduler:
         return out
 
     def _expire_deadlines(self) -> None:
+        for msg in self.expired_aborts():
+            self._finish_abort(self.reqs[msg.rid], msg.message)
+
+    def expired_aborts(self) -> list[AbortReq]:
+        """The requests past their deadline (--request-timeout), as the aborts that end them."""
         now = time.time()
-        for req in [r for r in self.reqs.values() if r.deadline is not None and now > r.deadline]:
-            self._finish_abort(req, "request timed out (--request-timeout)")
+        return [
+            AbortReq(r.rid, message=DEADLINE_MESSAGE)
+            for r in self.reqs.values()
+            if r.deadline is not None and now > r.deadline
+        ]
 
     def _build_prefill(self) -> list[Req]:
         if not self.waiting and self.chunked is None:
@@ -301,8 +314,9 @@ class Scheduler:
             for r in reqs
         ]
         result = sample(logits, rows)
+        next_ids = distributed.broadcast_token_ids(result.next_token_ids)  # rank 0's tokens on every rank
         for i, r in enumerate(reqs):
-            self.out.append_token(r, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            self.out.append_token(r, next_ids[i], result.logprobs[i], result.top_logprobs[i])
             self.counters.generation_tokens += 1
             if r.finished:
                 self.running.remove(r)
@@ -336,6 +350,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ introspection
     def _log_prefill(self, reqs: list[Req], new_tokens: int, cached: int) -> None:
+        if (
+            distributed.tp_rank() != 0
+        ):  # every rank runs the same batches: rank 0 speaks for them, as in SGLang
+            return
         logger.info(
             f"Prefill batch, #new-seq: {len(reqs)}, #new-token: {new_tokens}, #cached-token: {cached}, "
             f"token usage: {self.token_usage():.2f}, #running-req: {len(self.running)}, #queue-req: {len(self.waiting)}, "
@@ -344,16 +362,25 @@ class Scheduler:
 
     def _log_decode(self, batch: int) -> None:
         self._decode_tokens_since_log += batch
-        if self.counters.decode_steps % self.decode_log_interval:
+        if self.counters.decode_steps % self.decode_log_interval or distributed.tp_rank() != 0:
             return
         now = time.perf_counter()
-        tput = self._decode_tokens_since_log / max(now - self._decode_log_t0, 1e-9)
+        elapsed = max(now - self._decode_log_t0, 1e-9)
+        tput = self._decode_tokens_since_log / elapsed
         self._decode_tokens_since_log, self._decode_log_t0 = 0, now
         logger.info(
             f"Decode batch, #running-req: {len(self.running)}, #token: {self.used_tokens()}, "
             f"token usage: {self.token_usage():.2f}, cuda graph: {self.runner.last_forward_graph}, gen throughput (token/s): {tput:.2f}, "
-            f"#queue-req: {len(self.waiting)}"
+            f"#queue-req: {len(self.waiting)}{self._comm_share(elapsed)}"
         )
+
+    def _comm_share(self, elapsed: float) -> str:
+        """With several ranks: the share of the time since the last decode log that rank 0 spent in collectives."""
+        if distributed.tp_size() == 1:
+            return ""
+        spent = distributed.comm_seconds()
+        share, self._comm_logged = (spent - self._comm_logged) / elapsed, spent
+        return f", comm share: {share:.3f}"
 
     def used_tokens(self) -> int:
         return self.kv.allocator.size - self.kv.free_tokens()

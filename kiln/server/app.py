@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from dataclasses import asdict, dataclass
@@ -10,17 +9,27 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam
 from kiln.scheduler.io import EngineState, ServerInfo
+from kiln.server.bodies import decode_json, read_body
 from kiln.server.engine_client import EngineClient
 from kiln.server.openai_api import EngineRequestError, OpenAIServing
-from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
-from kiln.server.responses import ModelNotFound, QueueFull
+from kiln.server.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    error_body,
+)
+from kiln.server.responses import BodyReadTimeout, BodyTooLarge, ModelNotFound, QueueFull
 from kiln.server.startup import StartupState
 
 if TYPE_CHECKING:
@@ -29,6 +38,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kiln")
 OPEN_PATHS = {"/live", "/ready", "/health", "/health_generate", "/status", "/metrics"}
 GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/generate"}
+# The body each POST route reads (itself, through json_object), declared in /openapi.json for clients and fuzzers.
+BODY_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/generate": GenerateRequest,
+    "/abort_request": AbortRequest,
+}
 
 
 @dataclass
@@ -50,6 +66,12 @@ def _err(
     return JSONResponse(error_body(message, param, type_, code), status_code=status)
 
 
+def _closing(response: JSONResponse) -> JSONResponse:
+    """The answer to a request whose body was left unread: the connection closes after it."""
+    response.headers["Connection"] = "close"
+    return response
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Kiln")
     app.state.kiln = state
@@ -58,7 +80,28 @@ def create_app(state: ServerState) -> FastAPI:
     _add_probes(app, state)
     _add_openai_routes(app, state)
     _add_control_routes(app, state)
+    app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_with_bodies(app: FastAPI) -> dict:
+    """FastAPI's spec plus the request bodies: the routes read their bodies themselves (json_object), so
+    FastAPI cannot see them; declared here, from the same pydantic models, clients and fuzzers see every field
+    and its bounds."""
+    if app.openapi_schema is None:
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        refs, defs = models_json_schema(
+            [(model, "validation") for model in BODY_MODELS.values()],
+            ref_template="#/components/schemas/{model}",
+        )
+        spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, model in BODY_MODELS.items():
+            spec["paths"][path]["post"]["requestBody"] = {
+                "required": path != "/abort_request",
+                "content": {"application/json": {"schema": refs[(model, "validation")]}},
+            }
+        app.openapi_schema = spec
+    return app.openapi_schema
 
 
 class EngineNotReady(Exception):
@@ -71,14 +114,18 @@ def _serving(state: ServerState) -> OpenAIServing:
     return state.serving
 
 
+# ---------------------------------------------------------------------------------------------- request bodies
 async def json_object(request: Request, not_object: InvalidParam) -> dict:
-    """The request body as a JSON object: an empty body is {}, malformed JSON is refused naming `body`, and a
-    body that is valid JSON but no object is refused with `not_object` (each route names its own remedy)."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw) if raw else {}
-    except json.JSONDecodeError as e:
-        raise InvalidParam("body", f"malformed JSON body: {e}") from None
+    """The request body as a JSON object, the one way every route reads its body: an empty body is {}; a body
+    too large (413), too slow (408), not UTF-8, nested too deep or malformed (400 naming `body`) is refused
+    before any work; a body that is valid JSON but no object is refused with `not_object` (each route names its
+    own remedy)."""
+    state: ServerState = request.app.state.kiln
+    context_len = state.info.context_len if state.info is not None else 0
+    raw = await read_body(
+        request, state.args.request_byte_limit(context_len), state.args.request_read_timeout
+    )
+    data = decode_json(raw) if raw else {}
     if not isinstance(data, dict):
         raise not_object
     return data
@@ -127,6 +174,20 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         resp.headers["Retry-After"] = str(exc.retry_after)
         return resp
 
+    @app.exception_handler(BodyTooLarge)
+    async def on_too_large(request: Request, exc: BodyTooLarge):
+        # the rest of the body is never read: the connection cannot carry another request
+        return _closing(_err(413, str(exc), "body", code="request_too_large"))
+
+    @app.exception_handler(BodyReadTimeout)
+    async def on_read_timeout(request: Request, exc: BodyReadTimeout):
+        return _closing(_err(408, str(exc), "body", code="request_timeout"))
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_disconnect(request: Request, exc: ClientDisconnect):
+        """The client left while sending its body: nobody reads this answer, and it is no server error."""
+        return Response(status_code=400)
+
     @app.exception_handler(ModelNotFound)
     async def on_model(request: Request, exc: ModelNotFound):
         return _err(404, str(exc), "model", "invalid_request_error", "model_not_found")
@@ -171,7 +232,10 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/status")
     async def status():
-        return state.startup.to_dict()
+        body = state.startup.to_dict()
+        if state.info is not None and state.info.memory_check_per_rank is not None:
+            body["memory_check_per_rank"] = state.info.memory_check_per_rank
+        return body
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
@@ -213,10 +277,29 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     async def server_info():
         engine = await _serving(state).client.engine_state()
         return {
+            # SGLang's top-level fields, which SGLang's router reads when it registers a worker
+            "model_path": state.args.model_path,
+            "served_model_name": state.model_name,
+            "tp_size": state.args.tp_size,
+            "dp_size": state.args.dp_size,
             "server_args": asdict(state.args),
             **server_info_json(engine),
             "startup": state.startup.to_dict(),
         }
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load report (one entry per dp rank: a Kiln server is one), which SGLang's router polls for
+        its power_of_two policy. num_tokens counts the pool tokens in use, the prefix cache's included."""
+        stats = _serving(state).client.engine_stats
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": stats.num_running_reqs + stats.num_waiting_reqs,
+                "num_waiting_reqs": stats.num_waiting_reqs,
+                "num_tokens": stats.used_tokens,
+            }
+        ]
 
     @app.get("/get_model_info")
     @app.get("/model_info")
@@ -230,10 +313,13 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         give_rid = InvalidParam("rid", "give rid or abort_all: true")
-        body = await json_object(request, give_rid)
-        if "rid" not in body and not body.get("abort_all"):
+        try:
+            body = AbortRequest.model_validate(await json_object(request, give_rid))
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        if body.rid is None and not body.abort_all:
             raise give_rid
-        _serving(state).client.abort(body.get("rid"), bool(body.get("abort_all")))
+        _serving(state).client.abort(body.rid, body.abort_all)
         return {"success": True}
 
 

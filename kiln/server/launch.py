@@ -16,13 +16,22 @@ import uvicorn
 
 from kiln.config import ServerArgs
 from kiln.core.logs import configure_logging
-from kiln.scheduler.engine_proc import engine_main
-from kiln.scheduler.io import EngineReady, PhaseEntered, Progress, ServerInfo, StartupFailed
+from kiln.scheduler.engine_proc import PEER_FAILED_EXIT, RankSpec, engine_main
+from kiln.scheduler.io import (
+    EngineReady,
+    PhaseEntered,
+    Progress,
+    RankFailed,
+    RankReady,
+    ServerInfo,
+    StartupFailed,
+)
 from kiln.scheduler.validate import Limits
 from kiln.server.app import ServerState, create_app
+from kiln.server.connections import guarded_protocol
 from kiln.server.engine_client import EngineClient
 from kiln.server.openai_api import OpenAIServing
-from kiln.server.startup import StartupState
+from kiln.server.startup import PHASES, StartupState
 from kiln.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kiln")
@@ -55,55 +64,50 @@ class Launcher:
         self.front_addr = f"ipc://{ipc_dir}/front"
         self.exit_code = 0
         self.server: _Server | None = None
-        self.proc: mp.process.BaseProcess | None = None
+        self.ranks = RankProcesses(self.args)
+
+    @property
+    def proc(self) -> mp.process.BaseProcess | None:
+        """Rank 0's process (the only one with one rank)."""
+        return self.ranks.procs.get(0)
 
     def start_engine(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.status_q = ctx.Queue()
-        self.proc = ctx.Process(
-            target=engine_main,
-            name="kiln::engine",
-            args=(self.args, self.engine_addr, self.front_addr, self.status_q),
-            daemon=True,
-        )
-        self.proc.start()
+        self.status_q = self.ranks.start(self.engine_addr, self.front_addr)
 
     async def _engine_startup(self) -> ServerInfo | None:
-        """Follows the engine's phases until it is ready; a phase silent past --watchdog-timeout fails startup."""
-        st, loop = self.state.startup, asyncio.get_running_loop()
-        last_event = time.time()
+        """Follows the ranks' phases until rank 0 is ready; a rank silent past --watchdog-timeout fails startup."""
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 msg = await loop.run_in_executor(None, self.status_q.get, True, 0.5)
             except queue.Empty:
-                if not self.proc.is_alive():
+                if self.ranks.dead():
                     self.engine_exited()
                     return None
-                # spawning the engine and importing torch is slow on a busy machine: launching gets its own allowance
-                limit = (
-                    self.args.watchdog_timeout
-                    if st.phase != "launching"
-                    else max(self.args.watchdog_timeout, 120)
-                )
-                if time.time() - last_event > limit:
-                    self.die(
-                        f"phase {st.phase} made no progress for {self.args.watchdog_timeout:.0f} s "
-                        f"(--watchdog-timeout)",
-                        hint="see the engine log above for where it stopped",
-                    )
+                if self._startup_stalled():
                     return None
                 continue
-            last_event = time.time()
             match msg:
-                case PhaseEntered(name=name, info=info):
-                    st.enter(name, **info)
-                case Progress(info=info):
-                    st.step(**info)
-                case StartupFailed(reason=reason):
-                    self.die(reason, hint=_hint(reason))
+                case StartupFailed(reason=reason, rank=rank):
+                    self.die(self.ranks.name(rank) + reason, hint=_hint(reason))
                     return None
                 case EngineReady(info=info):
                     return info
+                case _:
+                    self.ranks.note(msg, self.state.startup)
+
+    def _startup_stalled(self) -> bool:
+        # spawning the engine and importing torch is slow on a busy machine: launching gets its own allowance
+        rank, phase, silent = self.ranks.most_silent()
+        limit = self.args.watchdog_timeout if phase != "launching" else max(self.args.watchdog_timeout, 120)
+        if silent <= limit:
+            return False
+        self.die(
+            f"{self.ranks.name(rank)}phase {phase} made no progress for {self.args.watchdog_timeout:.0f} s "
+            f"(--watchdog-timeout)",
+            hint="see the engine log above for where it stopped",
+        )
+        return True
 
     async def bring_up(self) -> None:
         try:
@@ -158,7 +162,17 @@ class Launcher:
                 timeout=self.args.watchdog_timeout,
             )
         except Exception as e:  # noqa: BLE001 - any failure here is a failed startup
-            self.die(f"warm-up request failed: {e!r}")
+            # a rank whose loop stopped turning holds the others in a collective: blame it, not the request
+            timed_out = isinstance(e, TimeoutError)
+            stalled = self.ranks.stalled_rank(self.args.watchdog_timeout / 2) if timed_out else None
+            if stalled is not None:
+                rank, silent = stalled
+                self.die(
+                    f"rank {rank}: the engine loop made no progress in phase serving for {silent:.0f} s "
+                    "(--watchdog-timeout), so the warm-up request timed out"
+                )
+            else:
+                self.die(f"warm-up request failed: {e!r}")
             return False
         if result.output.error:
             self.die(f"warm-up request failed: {result.output.error}")
@@ -171,14 +185,26 @@ class Launcher:
         info = (await client.engine_state()).info
         self.state.info = info
         self.state.startup.memory_check = info.memory_check
-        logger.info(f"Memory check (ledger vs measured): {format_check(info.memory_check)}")
+        for rank, check in enumerate(info.memory_check_per_rank or [info.memory_check]):
+            tag = f"rank {rank} " if info.tp_size > 1 else ""
+            logger.info(f"Memory check {tag}(ledger vs measured): {format_check(check)}")
 
     async def watch_engine(self) -> None:
-        """After startup: the engine must stay alive, and answer within --watchdog-timeout while it has work."""
+        """After startup: every rank must stay alive, rank 0 answer within --watchdog-timeout while it has work, and
+        with several ranks each rank's loop turn (a rank that stops turning holds every other in a collective)."""
         while True:
             await asyncio.sleep(0.5)
-            if self.proc is not None and not self.proc.is_alive() and not self.state.shutting_down:
+            if self.ranks.dead() and not self.state.shutting_down:
                 self.engine_exited()
+                return
+            stalled = self.ranks.stalled_rank(self.args.watchdog_timeout)
+            if stalled is not None and not self.state.shutting_down:
+                rank, silent = stalled
+                self.state.stalled = f"rank {rank} has not turned its loop for {silent:.0f} s"
+                self.die(
+                    f"rank {rank}: the engine loop made no progress in phase serving for {silent:.0f} s "
+                    "(--watchdog-timeout)"
+                )
                 return
             client = self.state.client
             if client is not None:
@@ -207,16 +233,16 @@ class Launcher:
         self.server.should_exit = True
 
     def engine_exited(self) -> None:
-        while True:  # phases the engine reported just before it died
+        while True:  # phases the ranks reported just before one died
             try:
                 msg = self.status_q.get_nowait()
             except (queue.Empty, OSError, EOFError):
                 break
-            if isinstance(msg, PhaseEntered):
-                self.state.startup.enter(msg.name, **msg.info)
-        self.die(
-            f"the engine process exited with code {self.proc.exitcode} during {self.state.startup.phase}"
-        )
+            self.ranks.note(msg, self.state.startup)
+        rank, code = self.ranks.first_dead()
+        phase = self.ranks.phase_of(rank, self.state.startup.phase)
+        process = "the engine process" if self.args.tp_size == 1 else f"rank {rank}'s engine process"
+        self.die(f"{process} exited with code {code} during {phase}" + self.ranks.reason_of(rank))
 
     def die(self, reason: str, hint: str = "") -> None:
         if self.state.startup.failed:
@@ -231,12 +257,8 @@ class Launcher:
                 self.server.should_exit = True
 
     def stop_engine(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
+        """Every rank's process ended and reaped before the front exits, so none outlives it."""
+        self.ranks.stop()
 
     def run(self) -> int:
         self.start_engine()
@@ -253,7 +275,13 @@ class Launcher:
 
         app.router.lifespan_context = lifespan
         config = uvicorn.Config(
-            app, host=self.args.host, port=self.args.port, log_level="warning", timeout_graceful_shutdown=5
+            app,
+            host=self.args.host,
+            port=self.args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            http=guarded_protocol(self.args),
+            timeout_keep_alive=self.args.timeout_keep_alive,
         )
         self.server = _Server(config, self)
         logger.info(f"Kiln serving {self.state.model_name} on http://{self.args.host}:{self.args.port}")
@@ -267,14 +295,157 @@ class Launcher:
         return self.exit_code
 
 
+class RankProcesses:
+    """This node's engine processes, one per tensor-parallel rank, and what each reported: its phase, when it last
+    reported, whether it finished startup, why it ended."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        per_node = args.tp_size // args.nnodes
+        self.local = list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
+        self.procs: dict[int, mp.process.BaseProcess] = {}
+        self.phases = dict.fromkeys(self.local, "launching")
+        self.last_event = dict.fromkeys(self.local, time.time())
+        self.ready: set[int] = set()
+        self.failures: dict[int, str] = {}
+        self.beats: dict[int, object] = {}
+
+    def start(self, engine_addr: str, front_addr: str):
+        ctx = mp.get_context("spawn")
+        status_q = ctx.Queue()
+        init_method = f"tcp://{self.args.dist_init_addr or f'127.0.0.1:{_free_port()}'}"
+        for local_rank, rank in enumerate(self.local):
+            beat = ctx.RawValue("d", time.time()) if self.args.tp_size > 1 else None
+            self.beats[rank] = beat
+            spec = RankSpec(rank, local_rank, len(self.local), init_method, beat)
+            self.procs[rank] = ctx.Process(
+                target=engine_main,
+                name=f"kiln::engine{'' if self.args.tp_size == 1 else f'-tp{rank}'}",
+                args=(self.args, engine_addr, front_addr, status_q, spec),
+                daemon=True,
+            )
+            self.procs[rank].start()
+        return status_q
+
+    def name(self, rank: int) -> str:
+        """The prefix naming a rank in a reason; none with one rank."""
+        return f"rank {rank}: " if self.args.tp_size > 1 else ""
+
+    def note(self, msg, startup: StartupState) -> None:
+        """A rank's startup report: rank 0's phases are the server's."""
+        rank = getattr(msg, "rank", 0)
+        self.last_event[rank] = time.time()
+        match msg:
+            case PhaseEntered(name=name, info=info):
+                self.phases[rank] = name
+                if rank == self.local[0] and name in PHASES:
+                    startup.enter(name, **info)
+            case Progress(info=info) if rank == self.local[0]:
+                startup.step(**info)
+            case RankReady():
+                self.ready.add(rank)
+                self.beats[rank].value = time.time()  # its loop beats from its first turn on
+            case RankFailed(phase=phase, reason=reason):
+                self.phases[rank] = phase
+                self.failures[rank] = reason
+
+    def most_silent(self) -> tuple[int, str, float]:
+        """The rank still starting that reported least recently: (rank, its phase, seconds since)."""
+        starting = [r for r in self.local if r not in self.ready] or self.local
+        rank = min(starting, key=lambda r: self.last_event[r])
+        return rank, self.phases[rank], time.time() - self.last_event[rank]
+
+    def stalled_rank(self, limit: float) -> tuple[int, float] | None:
+        """With several ranks: the rank whose loop stopped turning first, when that was over limit seconds ago."""
+        if self.args.tp_size == 1 or len(self.ready) < len(self.local):  # beats start once all are built
+            return None
+        rank = min(self.local, key=lambda r: self.beats[r].value)
+        silent = time.time() - self.beats[rank].value
+        return (rank, silent) if silent > limit else None
+
+    def dead(self) -> bool:
+        return any(not p.is_alive() for p in self.procs.values())
+
+    def first_dead(self) -> tuple[int, int | None]:
+        """The dead rank to blame: one that did not end because a peer failed, else the lowest."""
+        dead = [(r, p.exitcode) for r, p in self.procs.items() if not p.is_alive()]
+        own = [(r, code) for r, code in dead if code != PEER_FAILED_EXIT]
+        return (own or dead or [(self.local[0], None)])[0]
+
+    def phase_of(self, rank: int, default: str) -> str:
+        return self.phases.get(rank, default) if self.args.tp_size > 1 else default
+
+    def reason_of(self, rank: int) -> str:
+        return f": {self.failures[rank]}" if rank in self.failures else ""
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs.values():
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _hint(reason: str) -> str:
     return "run `kiln plan` with the same arguments to see the memory ledger" if "fit" in reason else ""
+
+
+def _tp_refusal(args: ServerArgs) -> str | None:
+    """A --tp-size the model cannot be split by, refused before any process starts."""
+    if args.tp_size == 1:
+        return None
+    from kiln.loader.model_config import read_hf_config
+    from kiln.scheduler.launch import tp_refusal
+
+    return tp_refusal(args, read_hf_config(args.model_path))
+
+
+def serve_ranks(args: ServerArgs) -> int:
+    """A node other than node 0 (--node-rank > 0): its ranks alone, no HTTP. It ends when one of its ranks ends
+    (node 0's ending ends them: their collectives fail), or on SIGTERM / SIGINT, with every rank reaped."""
+    import signal
+
+    ranks = RankProcesses(args)
+    status_q = ranks.start("", "")  # rank 0 lives on node 0: these ranks talk to no front
+    stopping: list[int] = []
+    startup = StartupState()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
+    logger.info(f"Node {args.node_rank}: ranks {ranks.local} joining {args.dist_init_addr}")
+    while not stopping and not ranks.dead():
+        with contextlib.suppress(queue.Empty):
+            msg = status_q.get(True, 0.5)
+            if isinstance(msg, StartupFailed):
+                logger.error(f"rank {msg.rank}: {msg.reason}")
+            ranks.note(msg, startup)
+    code = 0 if stopping else 1
+    if not stopping:
+        rank, exitcode = ranks.first_dead()
+        logger.error(f"rank {rank}'s engine process exited with code {exitcode}{ranks.reason_of(rank)}")
+    ranks.stop()
+    return code
 
 
 def serve(args: ServerArgs) -> int:
     configure_logging(args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = args.with_defaults()
+    refusal = _tp_refusal(args)
+    if refusal:
+        logger.error(f"Kiln failed: {refusal}")
+        return 1
     t0 = time.time()
-    code = Launcher(args).run()
+    code = serve_ranks(args) if args.node_rank > 0 else Launcher(args).run()
     logger.info(f"Kiln stopped after {time.time() - t0:.1f} s with exit code {code}")
     return code

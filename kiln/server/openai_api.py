@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from starlette.requests import ClientDisconnect
 
 from kiln.sampling_params import InvalidParam, SamplingParams
 from kiln.scheduler.fanout import FanOut, Sample, fan_out
@@ -27,7 +29,7 @@ from kiln.server.responses import (
     logprobs_completion,
     usage,
 )
-from kiln.text.tokenizer import apply_chat_template
+from kiln.text.tokenizer import apply_chat_template, longest_token_bytes
 
 
 def sse(obj) -> str:
@@ -50,6 +52,7 @@ class OpenAIServing:
         self.limits = limits
         self.model_name = model_name
         self.request_timeout = request_timeout
+        self.token_bytes = longest_token_bytes(tokenizer)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -58,12 +61,34 @@ class OpenAIServing:
     # ------------------------------------------------------------------ building the plan
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         try:
-            text.encode("utf-8")
+            size = len(text.encode("utf-8"))
         except UnicodeEncodeError as e:
             raise InvalidParam(
                 param, f"{param} is not valid UTF-8 text: {e.reason} at position {e.start}"
             ) from None
+        self.refuse_beyond_context(size, param)
         return list(self.tokenizer.encode(text))
+
+    def refuse_beyond_context(self, size: int, param: str) -> None:
+        """Refuses a text of `size` UTF-8 bytes that cannot fit before tokenizing it: where no token of the
+        tokenizer stands for more than `token_bytes` bytes, it has at least size / token_bytes tokens. Where
+        the tokenizer gives no such bound, nothing is refused here (the token count decides, exactly)."""
+        if self.token_bytes is None:
+            return
+        fits = min(self.limits.context_len, self.limits.max_total_tokens)
+        least = -(-size // self.token_bytes)
+        if least < fits:
+            return
+        where = (
+            f"this model's context length is {self.limits.context_len}"
+            if self.limits.context_len <= self.limits.max_total_tokens
+            else f"the KV pool holds {self.limits.max_total_tokens} tokens"
+        )
+        raise InvalidParam(
+            param,
+            f"the prompt has at least {least} tokens ({size} bytes of text, and no token of this tokenizer "
+            f"covers more than {self.token_bytes}); {where} (at most {fits - 1} prompt tokens)",
+        )
 
     def _plan(
         self,
@@ -71,6 +96,7 @@ class OpenAIServing:
         params: SamplingParams,
         default_max: int | None,
         rid: str | list[str] | None = None,
+        batch_param: tuple[str, str] = ("prompt", "n"),
     ) -> FanOut:
         """Every prompt's own params, validated against the limits, fanned out into its n samples; refused
         when a client's request id is in use or the queue has no room for them all."""
@@ -89,10 +115,23 @@ class OpenAIServing:
         for sample in plan.samples:
             if sample.rid is not None and sample.rid in self.client.queues:
                 raise InvalidParam("rid", f"request id {sample.rid!r} is already in use")
+        self.refuse_never_admitted(len(prompts), len(plan.samples), batch_param)
         active = self.client.num_active
         if self.max_in_flight is not None and active + len(plan.samples) > self.max_in_flight:
-            raise QueueFull(active, self.max_in_flight)
+            raise QueueFull(active, self.max_in_flight)  # it fits once others finish: waiting helps
         return plan
+
+    def refuse_never_admitted(self, prompts: int, samples: int, batch_param: tuple[str, str]) -> None:
+        """A request of more generations than the in-flight limit can never be admitted, however long its
+        client waits: 400 naming both numbers, with the prompts (or n) as the parameter, never a 429. Checked
+        again before tokenizing a batch of texts, so that a batch this large costs no tokenization."""
+        if self.max_in_flight is not None and samples > self.max_in_flight:
+            raise InvalidParam(
+                batch_param[0] if prompts > 1 else batch_param[1],
+                f"the request asks for {samples} generations ({prompts} prompts, n samples each) but this server "
+                f"holds at most {self.max_in_flight} requests at once (--max-running-requests + "
+                f"--max-queued-requests): send at most {self.max_in_flight}",
+            )
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -126,7 +165,8 @@ class OpenAIServing:
             done, _ = await asyncio.wait({gather}, timeout=0.25)
             if not done and await raw.is_disconnected():
                 gather.cancel()
-                raise asyncio.CancelledError("client disconnected")
+                gather.add_done_callback(_retrieve)  # its CancelledError is expected: never logged
+                raise ClientDisconnect()  # answered quietly: a client that leaves is no server error
         return gather.result()
 
     async def _stream_all(self, plan: FanOut) -> AsyncIterator[tuple[int, ReqOutput]]:
@@ -160,6 +200,8 @@ class OpenAIServing:
         params = req.sampling_params(
             req.max_tokens if req.max_tokens is not None else 16, want_lp, req.logprobs or 0
         )
+        if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+            self.refuse_never_admitted(len(req.prompt), len(req.prompt) * params.n, ("prompt", "n"))
         prompts = self._completion_prompts(req.prompt)
         plan = self._plan(prompts, params, req.max_tokens if req.max_tokens is not None else 16, req.rid)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -198,15 +240,30 @@ class OpenAIServing:
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        size = 0
         for i, m in enumerate(msgs):
             try:
-                m["content"].encode("utf-8")
+                size += len(m["content"].encode("utf-8"))
             except UnicodeEncodeError as e:
                 raise InvalidParam(f"messages.{i}.content", f"not valid UTF-8 text: {e.reason}") from None
+        kwargs = req.chat_template_kwargs or {}
         try:
-            return apply_chat_template(self.tokenizer, msgs, **(req.chat_template_kwargs or {}))
-        except ValueError as e:
+            if self.token_bytes is not None:
+                self._refuse_rendered_beyond_context(msgs, size, kwargs)
+            return apply_chat_template(self.tokenizer, msgs, **kwargs)
+        except (ValueError, TemplateError) as e:  # the template's own refusal (raise_exception) included
             raise InvalidParam("messages", str(e)) from None
+
+    def _refuse_rendered_beyond_context(self, msgs: list[dict], size: int, kwargs: dict) -> None:
+        """The byte bound on the text the template renders (a template may drop or trim messages, so the
+        messages' own bytes prove nothing); rendered only when the messages alone are long enough to matter."""
+        fits = min(self.limits.context_len, self.limits.max_total_tokens)
+        if -(-size // self.token_bytes) < fits:
+            return
+        if not getattr(self.tokenizer, "chat_template", None):
+            return  # apply_chat_template refuses it with its own message
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+        self.refuse_beyond_context(len(str(text).encode("utf-8")), "messages")
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
@@ -267,13 +324,15 @@ class OpenAIServing:
         single = isinstance(req.text, str) or (
             req.input_ids is not None and req.input_ids and isinstance(req.input_ids[0], int)
         )
+        params = req.params()
+        batch_param = ("text" if req.text is not None else "input_ids", "sampling_params.n")
         if req.text is not None:
             texts = [req.text] if isinstance(req.text, str) else req.text
+            self.refuse_never_admitted(len(texts), len(texts) * params.n, batch_param)
             prompts = [self.encode(t, "text") for t in texts]
         else:
             prompts = [req.input_ids] if single else [list(p) for p in req.input_ids]
-        params = req.params()
-        plan = self._plan(prompts, params, params.max_new_tokens, req.rid)
+        plan = self._plan(prompts, params, params.max_new_tokens, req.rid, batch_param)
         if req.stream:
             return self._sse(self._generate_stream(plan))
         results = await self._run_all(plan, raw)
@@ -339,6 +398,11 @@ class OpenAIServing:
 
 class EngineRequestError(RuntimeError):
     """The engine failed this one request."""
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _client_rids(rid: str | list[str] | None, count: int) -> list[str] | None:

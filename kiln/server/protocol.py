@@ -42,6 +42,9 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
+    # SGLang's router (sglang-router) sends its own defaults for SGLang fields Kiln does not implement: they are
+    # accepted at those values only, and refused at any other
+    return_hidden_states: Literal[False] = False
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         bias = None
@@ -112,6 +115,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # the router's defaults (see _SamplingFields); with no reasoning parser, SGLang ignores the reasoning ones too
+    continue_final_message: Literal[False] = False
+    separate_reasoning: Literal[True] = True
+    stream_reasoning: Literal[True] = True
 
 
 class NativeSamplingParams(_Strict):
@@ -146,6 +153,15 @@ class GenerateRequest(_Strict):
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     rid: str | list[str] | None = None
+    # the router's defaults (see _SamplingFields); `model` names what the router routed on
+    model: str | None = None
+    return_text_in_logprobs: Literal[False] = False
+    return_hidden_states: Literal[False] = False
+    return_bytes: Literal[False] = False
+    return_entropy: Literal[False] = False
+    background: Literal[False] = False
+    log_metrics: Literal[True] = True
+    no_logs: Literal[False] = False
 
     def params(self) -> SamplingParams:
         sp = self.sampling_params.model_dump()
@@ -154,6 +170,13 @@ class GenerateRequest(_Strict):
         return SamplingParams(
             **sp, logprobs=self.return_logprob, top_logprobs_num=self.top_logprobs_num
         ).normalize()
+
+
+class AbortRequest(BaseModel):
+    """/abort_request's body (SGLang's): one request by its id, or all of them; other fields are ignored."""
+
+    rid: str | None = None
+    abort_all: bool = False
 
 
 def error_body(

@@ -23,6 +23,26 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class BodyTooLarge(Exception):
+    """413: a request body beyond --max-request-bytes (declared or as read so far); reading stops there."""
+
+    def __init__(self, size: int, limit: int, declared: bool):
+        how = "declares" if declared else "runs past"
+        super().__init__(
+            f"the request body {how} {size} bytes; this server takes at most {limit} (--max-request-bytes)"
+        )
+
+
+class BodyReadTimeout(Exception):
+    """408: the client did not send its whole body within --request-read-timeout."""
+
+    def __init__(self, received: int, timeout: float):
+        super().__init__(
+            f"the request body did not arrive within {timeout:g} s (--request-read-timeout); "
+            f"{received} bytes came"
+        )
+
+
 @dataclass
 class ChoiceState:
     sent_role: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -31,3 +32,40 @@ def apply_chat_template(tokenizer, messages: list[dict], **kwargs) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def longest_token_bytes(tokenizer) -> int | None:
+    """The most bytes of text one token stands for, where the tokenizer guarantees a bound: byte-level BPE
+    (each character of a vocabulary entry is one byte) with no normalizer (which could shrink the text), no
+    pre-tokenizer that drops text, no fused unknown token and no added token that swallows the whitespace
+    around it. None for any other tokenizer: its prompts are always tokenized before their length is judged."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    added = spec.get("added_tokens") or []
+    if (
+        spec.get("normalizer") is not None
+        or not _byte_level_keeping_all_text(spec.get("pre_tokenizer"))
+        or model.get("type") != "BPE"
+        or model.get("fuse_unk")
+        or any(token.get("lstrip") or token.get("rstrip") for token in added)
+    ):
+        return None
+    longest = max((len(entry) for entry in model.get("vocab", {})), default=1)
+    return max([longest, *(len(token["content"].encode("utf-8")) for token in added)])
+
+
+def _byte_level_keeping_all_text(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return False
+    parts = (
+        pre_tokenizer.get("pretokenizers", []) if pre_tokenizer.get("type") == "Sequence" else [pre_tokenizer]
+    )
+    keeps = all(
+        part.get("type") in ("ByteLevel", "Digits")
+        or (part.get("type") in ("Split", "Punctuation") and part.get("behavior") != "Removed")
+        for part in parts
+    )
+    return keeps and any(part.get("type") == "ByteLevel" for part in parts)

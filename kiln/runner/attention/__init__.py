@@ -5,23 +5,31 @@ from __future__ import annotations
 import torch
 
 from kiln.layers.cpu_gemm import has_cpu_decode_attention
-from kiln.memory.kv_pool import KVPool
+from kiln.memory.kv_pool import KVPool, LatentKVPool
 from kiln.runner.attention.base import AttentionBackend
 from kiln.runner.attention.cpu_kernel import CpuKernelBackend, common_prefix
+from kiln.runner.attention.mla import LatentProjection, MlaBackend
 from kiln.runner.attention.torch_sdpa import TorchSdpaBackend
 
 __all__ = [
     "AttentionBackend",
     "CpuKernelBackend",
+    "LatentProjection",
+    "MlaBackend",
     "TorchSdpaBackend",
     "common_prefix",
     "make_attention_backend",
 ]
 
 
-def make_attention_backend(kv_pool: KVPool, q_heads: int, dtype: torch.dtype) -> AttentionBackend:
-    """Kiln's CPU kernel where it serves the pool (float32 on the CPU, the kernel built) and the model computes in
-    float32, which its queries then are; torch SDPA everywhere else."""
+def make_attention_backend(
+    kv_pool: KVPool | LatentKVPool, q_heads: int, dtype: torch.dtype, kv_lora_rank: int = 0
+) -> AttentionBackend:
+    """Latent attention for a latent pool (kv_lora_rank: the latent's width in its rows); otherwise Kiln's CPU
+    kernel where it serves the pool (float32 on the CPU, the kernel built) and the model computes in float32,
+    which its queries then are; torch SDPA everywhere else."""
+    if isinstance(kv_pool, LatentKVPool):
+        return MlaBackend(kv_pool, q_heads, kv_lora_rank)
     if kv_pool.k and dtype == torch.float32 and has_cpu_decode_attention(kv_pool.k[0]):
         return CpuKernelBackend(kv_pool, q_heads)
     return TorchSdpaBackend(kv_pool, q_heads)

@@ -1,0 +1,267 @@
+"""Tensor parallelism over processes: `kiln serve --tp-size N` gives the tokens one rank gives (greedy, batched,
+chunked prefill, radix hits, n > 1, aborts), on the default model and on random Llama and Qwen3 models (the Qwen3
+one with fewer KV heads than ranks, so each rank holds a replica of the one KV head); each rank allocates what
+`kiln plan` predicts; a rank that crashes or stalls ends the server naming it; two `kiln serve` processes form
+one group as node 0 and node 1; SIGTERM leaves no engine process behind.
+
+The ranks' all-reduce adds the partial sums in another order than one rank's matmul, so a logit may differ in
+its last bits; these models' greedy tokens have clear winners and come out identical, which is what is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import TINY, ServerProcess, build_tiny_model, free_port
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fib(n):"]
+LONG_PROMPT = " ".join(f"item {i}," for i in range(40))  # several chunks of --chunked-prefill-size 16
+COMMON = ["--device", "cpu", "--max-total-tokens", "4096", "--chunked-prefill-size", "16"]
+GREEDY = {"max_new_tokens": 10, "temperature": 0}
+SAMPLED = {"max_new_tokens": 8, "temperature": 0.8, "seed": 7, "n": 2}
+
+
+def build_kv1_qwen3(out_dir: Path) -> str:
+    """A tiny Qwen3 with one KV head: at tp 2 each rank holds a replica of it."""
+    saved = dict(TINY["qwen3"])
+    TINY["qwen3"].update(num_key_value_heads=1)
+    try:
+        return str(build_tiny_model("qwen3", out_dir, seed=1))
+    finally:
+        TINY["qwen3"].clear()
+        TINY["qwen3"].update(saved)
+
+
+def generate(url: str, text, params: dict, timeout: float = 120) -> dict | list:
+    r = httpx.post(f"{url}/generate", json={"text": text, "sampling_params": params}, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def ids(result) -> list:
+    return [ids(x) for x in result] if isinstance(result, list) else result["output_ids"]
+
+
+def reference(model: str) -> dict[str, object]:
+    """What one rank gives (the in-process engine with the same flags)."""
+    import kiln
+
+    eng = kiln.Engine(model_path=model, device="cpu", max_total_tokens=4096, chunked_prefill_size=16)
+    try:
+        return {
+            "alone": ids(eng.generate(PROMPTS[0], GREEDY)),
+            "batched": ids(eng.generate(PROMPTS, GREEDY)),
+            "long": ids(eng.generate(LONG_PROMPT, GREEDY)),
+            "sampled": ids(eng.generate(PROMPTS[1], SAMPLED)),
+        }
+    finally:
+        eng.shutdown()
+
+
+class Cluster:
+    def __init__(self, model: str, tp: int, log_dir: Path):
+        self.expected = reference(model)
+        self.tp = tp
+        self.srv = ServerProcess(
+            ["--model-path", model, "--tp-size", str(tp), *COMMON], log_dir / "serve.log"
+        )
+        self.srv.wait_ready()
+
+
+@pytest.fixture(scope="module", params=["default", "llama", "qwen3_kv1"])
+def cluster(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"tp-{request.param}")
+    if request.param == "default":  # 9 attention heads, 3 KV heads: tp 3 is its smallest split
+        model, tp = request.getfixturevalue("default_model"), 3
+    elif request.param == "llama":
+        model, tp = request.getfixturevalue("tiny_llama"), 2
+    else:
+        model, tp = build_kv1_qwen3(d / "model"), 2
+    c = Cluster(model, tp, d)
+    yield c
+    c.srv.stop()
+
+
+def test_tp_gives_one_ranks_tokens(cluster):
+    url, want = cluster.srv.url, cluster.expected
+    assert ids(generate(url, PROMPTS[0], GREEDY)) == want["alone"]
+    assert ids(generate(url, PROMPTS, GREEDY)) == want["batched"]
+    assert ids(generate(url, LONG_PROMPT, GREEDY)) == want["long"]  # chunked prefill
+    again = generate(url, LONG_PROMPT, GREEDY)  # radix hit
+    assert again["meta_info"]["cached_tokens"] > 0 and ids(again) == want["long"]
+    assert ids(generate(url, PROMPTS[1], SAMPLED)) == want["sampled"]  # n > 1, seeded: rank 0's draws
+
+
+def test_abort_keeps_the_ranks_in_step(cluster):
+    """A request aborted mid-decode ends on every rank alike: the next request still gives one rank's tokens."""
+    url = cluster.srv.url
+    body = {"text": PROMPTS[2], "stream": True,
+            "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    chunks = []
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunks.append(json.loads(line[5:]))
+            if len(chunks) == 1:
+                httpx.post(f"{url}/abort_request", json={"abort_all": True}, timeout=10).raise_for_status()
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert chunks[-1]["meta_info"]["completion_tokens"] < 3000
+    assert ids(generate(url, PROMPTS[0], GREEDY)) == cluster.expected["alone"]
+
+
+def test_every_rank_reports_its_memory(cluster):
+    url = cluster.srv.url
+    info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+    assert info["tp_size"] == cluster.tp and len(info["memory_check_per_rank"]) == cluster.tp
+    status = httpx.get(f"{url}/status", timeout=10).json()
+    assert len(status["memory_check_per_rank"]) == cluster.tp
+    log = cluster.srv.log_text()
+    assert f"TP{cluster.tp - 1}] Load weight end" in log and "Init torch distributed: backend gloo" in log
+    for rank in range(cluster.tp):
+        assert f"Memory check rank {rank} " in log
+
+
+def test_plan_matches_each_rank(cluster, capsys):
+    """`kiln plan --tp-size N` predicts what each rank allocates, within 5%."""
+    import kiln.plan as plan
+
+    info = httpx.get(f"{cluster.srv.url}/get_server_info", timeout=10).json()
+    model = info["server_args"]["model_path"]
+    rc = plan.main(["--model-path", model, "--tp-size", str(cluster.tp), *COMMON, "--json"])
+    planned = {line["name"]: line["bytes"] for line in json.loads(capsys.readouterr().out)["lines"]}
+    assert rc == 0
+    for check in info["memory_check_per_rank"]:
+        measured = {row["name"]: row["measured"] for row in check}
+        for ledger_name, name in (("weights", "weights"), ("kv pool", "kv_pool")):
+            assert abs(measured[name] - planned[ledger_name]) <= 0.05 * planned[ledger_name], (name, check)
+
+
+# ------------------------------------------------------------------------------------------------ failures
+def engine_children(proc: subprocess.Popen, count: int, timeout: float = 120) -> list[psutil.Process]:
+    """The server's engine processes once count of them run."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            kids = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        except psutil.Error:
+            kids = []
+        if len(kids) >= count or proc.poll() is not None:
+            return kids
+        time.sleep(0.2)
+    return []
+
+
+def assert_gone(kids: list[psutil.Process]) -> None:
+    _, alive = psutil.wait_procs(kids, timeout=5)
+    assert not alive, alive
+
+
+@pytest.mark.parametrize(
+    "fault, phase", [("crash:loading_weights@1", "loading_weights"), ("stall:loading_weights@1", "loading_weights"),
+                     ("crash:capturing@1", "capturing"), ("crash:serving@1", "serving"),
+                     ("stall:serving@1", "serving")]
+)  # fmt: skip
+def test_a_failing_rank_ends_the_server(tiny_llama, tmp_path, fault, phase):
+    # capture runs only when a graph shape is asked for (the CPU compiles none by default); the fault fires as rank 1
+    # enters the phase, before anything compiles
+    graphs = ["--cuda-graph-bs", "1"] if phase == "capturing" else []
+    srv = ServerProcess(
+        ["--model-path", tiny_llama, "--tp-size", "2", *COMMON, *graphs, "--watchdog-timeout", "20"],
+        tmp_path / "serve.log",
+        {"KILN_FAULT": fault},
+    )
+    kids = engine_children(srv.proc, 2)
+    health = []
+    while srv.proc.poll() is None:
+        try:
+            health.append(httpx.get(f"{srv.url}/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    code = srv.stop()
+    failure = next(line for line in Path(srv.log_path).read_text().splitlines() if "Kiln failed" in line)
+    assert code != 0 and "rank 1" in failure and phase in failure, failure
+    assert 200 not in health
+    assert_gone(kids)
+
+
+def test_tp_size_that_does_not_divide_is_refused(default_model, tmp_path):
+    srv = ServerProcess(
+        ["--model-path", default_model, "--tp-size", "2", "--device", "cpu"], tmp_path / "s.log"
+    )
+    assert srv.proc.wait(120) == 1
+    srv.stop()
+    log = Path(srv.log_path).read_text()
+    assert "num_attention_heads 9" in log and "that work: 1, 3" in log and "Load weight" not in log
+
+
+def test_in_process_engine_refuses_several_ranks():
+    """kiln.Engine is one process: it refuses --tp-size 2 before reading the model instead of running one rank."""
+    from kiln.config import ServerArgs
+    from kiln.scheduler.launch import StartupRefused, build_engine
+
+    with pytest.raises(StartupRefused, match="one process per rank"):
+        build_engine(ServerArgs(model_path="/nonexistent", tp_size=2))
+
+
+def test_nnodes_needs_dist_init_addr():
+    from kiln.config import ServerArgs
+
+    with pytest.raises(ValueError, match="--dist-init-addr"):
+        ServerArgs(tp_size=2, nnodes=2)
+
+
+# ------------------------------------------------------------------------------------------------ nodes
+def test_two_nodes_on_loopback(tiny_llama, tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    nodes = [
+        ServerProcess(
+            ["--model-path", tiny_llama, "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank),
+             "--dist-init-addr", addr, *COMMON],
+            tmp_path / f"node{rank}.log",
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        nodes[0].wait_ready()
+        assert "TP1] Load weight end" in nodes[1].log_text()
+        import kiln
+
+        eng = kiln.Engine(model_path=tiny_llama, device="cpu", max_total_tokens=4096, chunked_prefill_size=16)
+        want = ids(eng.generate(PROMPTS, GREEDY))
+        assert ids(generate(nodes[0].url, PROMPTS, GREEDY)) == want
+        kids = engine_children(nodes[1].proc, 1)
+        nodes[0].stop()
+        nodes[1].proc.wait(60)  # node 0's end ends node 1's rank, and node 1 with it
+        assert_gone(kids)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+# ------------------------------------------------------------------------------------------------ SIGTERM
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sigterm_leaves_no_engine_process(tiny_llama, tmp_path, tp):
+    srv = ServerProcess(["--model-path", tiny_llama, "--tp-size", str(tp), *COMMON], tmp_path / "serve.log")
+    srv.wait_ready()
+    kids = engine_children(srv.proc, tp)
+    assert len(kids) == tp
+    srv.proc.terminate()
+    srv.proc.wait(60)
+    assert [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE] == []
+    srv.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
