@@ -1,0 +1,209 @@
+"""The memory ledger's arithmetic steps: what is resident before the pool (static bytes), what one token of KV
+costs (the cell), the shapes a step runs at, what grows with the running requests (the reserve) and the pool
+sized between them. Pure arithmetic over LedgerInputs; kiln/memory/ledger.py turns the steps into lines and a
+verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
+from kiln.core.graph_shapes import CPU_GRAPH_MAX_BS
+from kiln.core.units import GIB, MIB
+from kiln.memory.graph_budget import cuda_defaults, graph_batch_sizes, graph_prefill_tokens, graph_reserve
+from kiln.memory.ledger_types import LedgerInputs
+from kiln.memory.model_shapes import (
+    GgufBlocks,
+    context_len_of,
+    gguf_block_bytes,
+    kv_bytes_per_token,
+    kv_dims,
+    kv_layers,
+    packed_lm_head_bytes,
+    prefill_activation,
+    required,
+    text_config,
+    weight_bytes,
+)
+
+# CPU default prefill chunk: at CPU prefill speed a chunk this long already holds running decodes back for
+# seconds; longer chunks stall them for longer without making prefill faster, and its activations are small.
+CPU_CHUNKED_PREFILL_SIZE = 2048
+# Interpreter, tokenizer, allocator slack; on CUDA SGLang's 512 MiB + tp/8 GiB of communication buffers.
+RUNTIME_OVERHEAD_BYTES = 512 * MIB
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """What is resident before the KV pool, per rank: the weights as served and the copies made of them."""
+
+    weights: int  # the model's weights (GGUF matrices kept in their blocks counted as stored)
+    packed_head: int  # the CPU prepacked copy of a tied lm head
+    draft_weights: int  # the speculative draft model's weights
+    blocks: GgufBlocks | None  # the GGUF matrices kept in their blocks, if any
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.packed_head + self.draft_weights
+
+
+def static_bytes(inputs: LedgerInputs) -> StaticBytes:
+    element_bytes = dtype_bytes(inputs.dtype)
+    weights = weight_bytes(inputs.hf_config, inputs.tp_size, element_bytes)
+    prepacked = not inputs.device.startswith("cuda") and inputs.dtype == "float32" and inputs.weight_prepack
+    packed_head = packed_lm_head_bytes(inputs.hf_config, inputs.tp_size) if prepacked else 0
+    blocks = gguf_block_bytes(inputs.hf_config, inputs.tp_size) if prepacked and inputs.gguf_blocks else None
+    if blocks is not None:  # GGUF matrices kept in their blocks instead of float32
+        weights += blocks.linear_bytes - blocks.linear_params * element_bytes
+        packed_head = blocks.head_bytes or packed_head
+    draft = inputs.draft_hf_config
+    draft_weights = weight_bytes(draft, inputs.tp_size, element_bytes) if draft else 0
+    return StaticBytes(weights, packed_head, draft_weights, blocks)
+
+
+@dataclass(frozen=True)
+class KvCell:
+    """KV bytes one token takes on one rank, the draft model's included."""
+
+    dtype: str
+    element_bytes: int
+    model: int
+    draft: int
+
+    @property
+    def total(self) -> int:
+        return self.model + self.draft
+
+
+def kv_cell(inputs: LedgerInputs) -> KvCell:
+    dtype = kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype)
+    element_bytes = dtype_bytes(dtype)
+    model = kv_bytes_per_token(inputs.hf_config, inputs.tp_size, element_bytes)
+    draft = (
+        kv_bytes_per_token(inputs.draft_hf_config, inputs.tp_size, element_bytes)
+        if inputs.draft_hf_config
+        else 0
+    )
+    return KvCell(dtype, element_bytes, model, draft)
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The shapes a step runs at, fixed by the flags and the device before the pool is sized."""
+
+    context: int
+    chunk: int  # chunked_prefill_size; -1 = no chunking
+    prefill_tokens: int  # tokens of the largest prefill forward
+    decode_graph_max_bs: int  # the largest decode batch captured unless the running requests cap it
+    prefill_graphs: tuple[int, ...]  # prefill token counts captured
+    prefill_bytes: int  # peak activations of the largest prefill
+    prefill_text: str
+    overhead: int  # runtime overhead
+    vocab: int
+
+    @property
+    def graph_chunk(self) -> int:
+        """The token count prefill graphs and SGLang's reserve are sized for: the chunk, or the whole prefill."""
+        return self.chunk if self.chunk > 0 else self.prefill_tokens
+
+
+def step_shapes(inputs: LedgerInputs) -> StepShapes:
+    cuda = inputs.device.startswith("cuda")
+    context = inputs.context_length or context_len_of(inputs.hf_config)
+    default_chunk, default_max_bs = (
+        cuda_defaults(inputs.device_memory_bytes, inputs.tp_size)
+        if cuda
+        else (CPU_CHUNKED_PREFILL_SIZE, CPU_GRAPH_MAX_BS)
+    )
+    chunk = inputs.chunked_prefill_size or default_chunk
+    prefill_tokens = (
+        min(chunk, inputs.max_prefill_tokens) if chunk > 0 else max(inputs.max_prefill_tokens, context)
+    )
+    graph_chunk = chunk if chunk > 0 else prefill_tokens
+    prefill_bytes, prefill_text = prefill_activation(
+        inputs.hf_config, prefill_tokens, inputs.tp_size, dtype_bytes(inputs.dtype), inputs.device
+    )
+    return StepShapes(
+        context=context,
+        chunk=chunk,
+        prefill_tokens=prefill_tokens,
+        decode_graph_max_bs=inputs.cuda_graph_max_bs or default_max_bs,
+        prefill_graphs=graph_prefill_tokens(inputs, graph_chunk),
+        prefill_bytes=prefill_bytes,
+        prefill_text=prefill_text,
+        overhead=RUNTIME_OVERHEAD_BYTES + (inputs.tp_size * GIB // 8 if cuda else 0),
+        vocab=required(text_config(inputs.hf_config), "vocab_size"),
+    )
+
+
+@dataclass(frozen=True)
+class RequestReserve:
+    """What grows with the running requests: the decode graphs captured for them, their logits buffer and their
+    rows of the request table."""
+
+    running_requests: int
+    graph_batch_sizes: tuple[int, ...]
+    graph_bytes: int  # decode and prefill graphs together
+    graph_text: str
+    logits_bytes: int
+    request_table_bytes: int
+
+
+def request_reserve(inputs: LedgerInputs, shapes: StepShapes, running_requests: int) -> RequestReserve:
+    sizes = graph_batch_sizes(inputs, shapes.decode_graph_max_bs, running_requests)
+    graph_bytes, graph_text = graph_reserve(inputs, sizes, shapes.prefill_graphs)
+    return RequestReserve(
+        running_requests=running_requests,
+        graph_batch_sizes=sizes,
+        graph_bytes=graph_bytes,
+        graph_text=graph_text,
+        logits_bytes=running_requests * shapes.vocab * 4,
+        request_table_bytes=running_requests * shapes.context * 8,
+    )
+
+
+def reserve_bytes(inputs: LedgerInputs, shapes: StepShapes, running_requests: int) -> int:
+    """Everything kept beside the weights and the pool: runtime, graphs, peak prefill, logits, request table."""
+    reserve = request_reserve(inputs, shapes, running_requests)
+    return (
+        shapes.overhead
+        + reserve.graph_bytes
+        + shapes.prefill_bytes
+        + reserve.logits_bytes
+        + reserve.request_table_bytes
+    )
+
+
+@dataclass(frozen=True)
+class PoolBudget:
+    """The pool as sized, and what the available memory keeps after it."""
+
+    tokens: int
+    cell_bytes: int  # KV bytes per token
+    pool_bytes: int  # tokens and the padding page
+    key_bytes: int  # the K half of the pool (all of it for MLA)
+    after_pool: int  # available - weights - pool - request table - runtime
+    headroom: int  # after_pool - graphs - peak prefill - logits: must stay >= 0
+
+
+def pool_budget(
+    inputs: LedgerInputs,
+    static: StaticBytes,
+    cell: KvCell,
+    shapes: StepShapes,
+    reserve: RequestReserve,
+    tokens: int,
+) -> PoolBudget:
+    page = inputs.page_size
+    pool = (tokens + page) * cell.total if tokens > 0 else 0
+    key_width, _, _ = kv_dims(text_config(inputs.hf_config), inputs.tp_size)
+    layers = kv_layers(text_config(inputs.hf_config))
+    key_bytes = (tokens + page) * key_width * layers * cell.element_bytes if tokens > 0 else 0
+    after_pool = (
+        inputs.available_memory_bytes - static.total - pool - reserve.request_table_bytes - shapes.overhead
+    )
+    headroom = after_pool - reserve.graph_bytes - shapes.prefill_bytes - reserve.logits_bytes
+    return PoolBudget(tokens, cell.total, pool, key_bytes, after_pool, headroom)
+
+
+# ---------------------------------------------------------------- the lines
