@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from serve_runs import add_load_args, bench, start_server
 
 RANDOM_LLAMA = dict(
     hidden_size=576,
@@ -56,65 +53,17 @@ def build_random_llama(out_dir: Path) -> str:
     return str(out_dir)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, tp: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kiln.cli",
-        "serve",
-        "--model-path",
-        model,
-        "--tp-size",
-        str(tp),
-        "--port",
-        str(port),
-    ]
-    cmd += ["--device", "cpu", "--max-total-tokens", "32768", "--decode-log-interval", "10"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kiln serve --tp-size {tp} exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise TimeoutError(f"kiln serve --tp-size {tp} not ready")
+def start_tp_server(model: str, tp: int, log: Path) -> tuple[subprocess.Popen, str]:
+    return start_server(["--model-path", model, "--tp-size", str(tp), "--decode-log-interval", "10"], log)
 
 
 def comm_shares(log_text: str) -> list[float]:
     return [float(x) for x in re.findall(r"comm share: ([0-9.]+)", log_text)]
 
 
-def bench(url: str, streams: int, args: argparse.Namespace, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "kiln.cli", "bench", "serve", "--backend", "kiln", "--base-url", url]
-    cmd += [
-        "--dataset-name",
-        "random",
-        "--num-prompts",
-        str(args.num_prompts if streams > 1 else args.one_stream),
-    ]
-    cmd += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
-    cmd += ["--random-range-ratio", "1", "--max-concurrency", str(streams), "--ignore-eos", "--disable-tqdm"]
-    cmd += ["--output-json", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return json.loads(out.read_text().splitlines()[-1])
-
-
 def run_tp(model: str, tp: int, args: argparse.Namespace, work: Path) -> list[dict]:
     log = work / f"serve-tp{tp}.log"
-    proc, url = start_server(model, tp, log)
+    proc, url = start_tp_server(model, tp, log)
     rows = []
     try:
         for streams in (32, 1):
@@ -141,10 +90,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--model-path", default=None, help="default: a random Llama built for the run")
-    p.add_argument("--num-prompts", type=int, default=64, help="requests of the 32-stream run")
-    p.add_argument("--one-stream", type=int, default=4, help="requests of the one-stream run")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    add_load_args(p)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="kiln-bench-tp-") as tmp:
