@@ -62,6 +62,13 @@ class ServerArgs:
         "tensor-parallel ranks, one engine process each (gloo on the CPU, NCCL on CUDA)",
         aliases=("--tensor-parallel-size",),
     )
+    ep_size: int = _f(
+        1,
+        "expert-parallel ranks: each of the --tp-size ranks holds whole experts (num_experts / ep-size of them), "
+        "each expert split over tp-size / ep-size ranks; 1 = a slice of every expert on every rank (SGLang's "
+        "default)",
+        aliases=("--expert-parallel-size",),
+    )
     nnodes: int = _f(1, "nodes the tensor-parallel ranks span (tp-size / nnodes ranks on each)")
     node_rank: int = _f(0, "this node's index; node 0 serves HTTP, the others run their ranks only")
     dist_init_addr: str | None = _f(
@@ -115,6 +122,17 @@ class ServerArgs:
         "cannot run it) | f32 (Kiln's kernel on float32 weights only: every GGUF matrix dequantized) | onednn",
         choices=["auto", "kiln", "f32", "onednn"],
     )
+    grammar_backend: str = _f(
+        "xgrammar",
+        "library that compiles response_format / regex / ebnf / json_schema constraints into token masks",
+        choices=["xgrammar", "llguidance", "outlines", "none"],
+    )
+    tool_call_parser: str | None = _f(
+        None, "how tool calls are read from the model's output (SGLang's names: llama3, qwen, mistral, ...)"
+    )
+    reasoning_parser: str | None = _f(
+        None, "splits reasoning_content from content (SGLang's names: deepseek-r1, qwen3, kimi)"
+    )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")
     host_memory: str | None = _f(None, "host RAM to plan for, e.g. 512GiB (default: probed)")
@@ -148,6 +166,8 @@ class ServerArgs:
             raise ValueError("--tp-size must be >= 1")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size {self.dp_size} must be >= 1")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         self._check_nodes()
         for flag, sizes in (
             ("--cuda-graph-bs", self.cuda_graph_bs),
