@@ -25,6 +25,7 @@ logger = logging.getLogger("kiln")
 class TPGroup:
     rank: int = 0
     size: int = 1
+    ep_size: int = 1  # --ep-size: the MoE layers' expert-parallel split of these ranks (kiln.core.sharding)
 
 
 _TP = TPGroup()
@@ -60,7 +61,12 @@ def backend_version(backend: str) -> str:
 
 
 def init_tp(
-    rank: int, size: int, device: str = "cpu", init_method: str | None = None, timeout: float = 300
+    rank: int,
+    size: int,
+    device: str = "cpu",
+    init_method: str | None = None,
+    timeout: float = 300,
+    ep_size: int = 1,
 ) -> None:
     """Join the tensor-parallel group (one process per rank); init_method is tcp://HOST:PORT, timeout the seconds
     a collective may wait for the other ranks (--watchdog-timeout) before it raises."""
@@ -75,7 +81,7 @@ def init_tp(
             logger.info(
                 f"Init torch distributed: backend {backend} ({backend_version(backend)}), world size {size}"
             )
-    _TP = TPGroup(rank=rank, size=size)
+    _TP = TPGroup(rank=rank, size=size, ep_size=ep_size)
 
 
 def destroy_tp() -> None:
@@ -91,6 +97,10 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _TP.size
+
+
+def ep_size() -> int:
+    return _TP.ep_size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

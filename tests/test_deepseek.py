@@ -18,65 +18,18 @@ from model_equality import (  # the fixtures among these apply to this module by
     generate,
     ids_of,
     one_torch_thread,  # noqa: F401
-    random_model,
     reference_fixture,  # noqa: F401
     reference_greedy,
     reference_logits,
     spy_logits,
 )
+from moe_models import MTP_TENSORS, TINY_DEEPSEEK, build_tiny_deepseek, deepseek_hf_model
 from test_correctness import load_hf
 
 import kiln
 from kiln.loader import fp8
 from kiln.memory.kv_pool import LatentKVPool
 from kiln.runner.attention import MlaBackend
-
-TINY_DEEPSEEK = dict(
-    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
-    routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
-    num_nextn_predict_layers=1,
-    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=1024, beta_fast=32, beta_slow=1,
-                      mscale=1.0, mscale_all_dim=0.8),
-)  # fmt: skip
-# a layer numbered num_hidden_layers: the MTP layer's tensors, which the model keeps aside
-MTP_TENSORS = {
-    "model.layers.3.eh_proj.weight": (64, 128),
-    "model.layers.3.enorm.weight": (64,),
-    "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": (40, 64),
-    "model.layers.3.mlp.experts.0.up_proj.weight": (32, 64),
-}
-
-
-def _hf_model(seed: int, **overrides):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    model, tok = random_model(DeepseekV3Config, DeepseekV3ForCausalLM, seed, **{**TINY_DEEPSEEK, **overrides})
-    with torch.no_grad():
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
-    return model.eval(), tok
-
-
-def _write_mtp(out_dir: Path) -> None:
-    from safetensors.torch import save_file
-
-    gen = torch.Generator().manual_seed(3)
-    save_file(
-        {k: torch.randn(shape, generator=gen) for k, shape in MTP_TENSORS.items()},
-        out_dir / "mtp.safetensors",
-    )
-
-
-def build_tiny_deepseek(out_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A random DeepSeek-V3 saved with transformers (plus an MTP layer's tensors in their own shard), with the
-    default model's tokenizer."""
-    model, tok = _hf_model(seed, **overrides)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    _write_mtp(out_dir)
-    return out_dir
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +273,7 @@ def test_an_fp8_checkpoint_loads_and_matches_transformers(tmp_path: Path, ref: R
     from safetensors.torch import save_file
 
     block = 16
-    model, tok = _hf_model(seed=2)
+    model, tok = deepseek_hf_model(seed=2)
     tensors, dequantized = _fp8_checkpoint(model, block)
     model.load_state_dict(dequantized)
     path = tmp_path / "fp8"

@@ -16,15 +16,16 @@ from model_equality import (  # the fixtures among these apply to this module by
     EngineEquality,
     engine_fixture,  # noqa: F401
     one_torch_thread,  # noqa: F401
-    random_model,
     reference_fixture,  # noqa: F401
 )
+from moe_models import build_tiny_moe
 
 import kiln
 import kiln.distributed as distributed
 import kiln.layers.linear as linear
 import kiln.layers.moe as moe
 import kiln.layers.rotary as rotary
+from kiln.core.sharding import tp_size_problems
 from kiln.layers.moe import FusedMoE, MoESpec, RouterSpec, SparseMoeBlock, TopKRouter, is_sparse_layer
 
 H, I_EXPERT = 32, 16  # hidden size, one expert's intermediate size
@@ -336,9 +337,11 @@ def test_qwen3_moe_block_matches_transformers() -> None:
         torch.testing.assert_close(block(x.view(-1, H)), hf_block(x).view(-1, H), rtol=1e-5, atol=1e-5)
 
 
-def test_two_tensor_parallel_ranks_hold_slices_and_sum_to_one_rank(monkeypatch) -> None:
+@pytest.mark.parametrize("ep", [1, 2])
+def test_two_tensor_parallel_ranks_hold_slices_and_sum_to_one_rank(monkeypatch, ep: int) -> None:
     """tp 2 simulated: each rank built and loaded as its own process would be; the all-reduce becomes a sum of
-    the two ranks' partial outputs, which must equal the tp 1 output."""
+    the two ranks' partial outputs, which must equal the tp 1 output. ep 1: each rank holds half of every
+    expert; ep 2 (--ep-size 2): rank r holds experts [4r, 4r + 4) whole."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     cfg = _deepseek_block_config(n_shared=1)
@@ -349,12 +352,17 @@ def test_two_tensor_parallel_ranks_hold_slices_and_sum_to_one_rank(monkeypatch) 
     monkeypatch.setattr(linear, "all_reduce", lambda t: t)
     ranks = []
     for rank in range(2):
-        monkeypatch.setattr(distributed, "_TP", distributed.TPGroup(rank=rank, size=2))
+        monkeypatch.setattr(distributed, "_TP", distributed.TPGroup(rank=rank, size=2, ep_size=ep))
         ranks.append(_block_like(hf_block, spec))
     monkeypatch.setattr(distributed, "_TP", distributed.TPGroup(rank=0, size=1))
-    half = I_EXPERT // 2
     gate_up, down = hf_block.experts.gate_up_proj.detach(), hf_block.experts.down_proj.detach()
     for rank, block in enumerate(ranks):
+        if ep == 2:
+            experts = slice(4 * rank, 4 * rank + 4)
+            assert torch.equal(block.experts.gate_up_proj, gate_up[experts])
+            assert torch.equal(block.experts.down_proj, down[experts])
+            continue
+        half = I_EXPERT // 2
         cols = slice(rank * half, (rank + 1) * half)
         assert block.experts.gate_up_proj.shape == (8, I_EXPERT, H)
         assert torch.equal(block.experts.gate_up_proj[:, :half], gate_up[:, :I_EXPERT][:, cols])
@@ -366,25 +374,6 @@ def test_two_tensor_parallel_ranks_hold_slices_and_sum_to_one_rank(monkeypatch) 
 
 
 # ---------------------------------------------------------------------------------------------- Qwen3-MoE end to end
-
-TINY_MOE = dict(
-    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-    mlp_only_layers=[0], max_position_embeddings=4096, tie_word_embeddings=False,
-)  # fmt: skip
-
-
-def build_tiny_moe(out_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A random Qwen3-MoE (a dense first layer, then 8 experts, top 2) saved with transformers, with the default
-    model's tokenizer."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    model, tok = random_model(Qwen3MoeConfig, Qwen3MoeForCausalLM, seed, **TINY_MOE)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    config = json.loads((out_dir / "config.json").read_text())
-    (out_dir / "config.json").write_text(json.dumps({**config, **overrides}))
-    return out_dir
 
 
 @pytest.fixture(scope="module")
@@ -415,3 +404,15 @@ def test_an_unknown_scoring_function_is_refused_at_startup(tmp_path: Path) -> No
     with pytest.raises(Exception, match="scoring_func 'foo'") as err:
         kiln.Engine(model_path=str(path), **BASE_ARGS)
     assert "softmax" in str(err.value)
+
+
+def test_ep_size_must_split_the_experts() -> None:
+    """--ep-size divides the routed experts and leaves tp / ep ranks that divide each expert's intermediate size;
+    a dense model has no experts to split. The refusal names the dimension."""
+    cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "moe_intermediate_size": 32, "num_experts": 8}
+    assert tp_size_problems(cfg, 2, 2) == [] and tp_size_problems(cfg, 4, 2) == []
+    assert tp_size_problems({**cfg, "num_experts": 6}, 4, 4) == ["routed experts 6 (by --ep-size 4)"]
+    assert tp_size_problems({**cfg, "moe_intermediate_size": 31}, 4, 2) == ["moe_intermediate_size 31"]
+    assert tp_size_problems({**cfg, "moe_intermediate_size": 31}, 2, 2) == []  # whole experts: no split
+    dense = {"num_attention_heads": 4, "intermediate_size": 64}
+    assert "this model is dense" in tp_size_problems(dense, 2, 2)[0]

@@ -1,6 +1,7 @@
 """Tensor parallelism over processes: `kiln serve --tp-size N` gives the tokens one rank gives (greedy, batched,
 chunked prefill, radix hits, n > 1, aborts), on the default model and on random Llama and Qwen3 models (the Qwen3
-one with fewer KV heads than ranks, so each rank holds a replica of the one KV head); each rank allocates what
+one with fewer KV heads than ranks, so each rank holds a replica of the one KV head), a Qwen3-MoE with whole experts
+per rank (--ep-size 2) and a DeepSeek-V3 (latent attention, grouped routing); each rank allocates what
 `kiln plan` predicts; a rank that crashes or stalls ends the server naming it; two `kiln serve` processes form
 one group as node 0 and node 1; SIGTERM leaves no engine process behind.
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from moe_models import build_tiny_deepseek, build_tiny_moe
 
 from tests.conftest import TINY, ServerProcess, build_tiny_model, free_port
 
@@ -69,25 +71,30 @@ def reference(model: str) -> dict[str, object]:
 
 
 class Cluster:
-    def __init__(self, model: str, tp: int, log_dir: Path):
+    def __init__(self, model: str, tp: int, log_dir: Path, flags: tuple[str, ...] = ()):
         self.expected = reference(model)
-        self.tp = tp
-        self.srv = ServerProcess(
-            ["--model-path", model, "--tp-size", str(tp), *COMMON], log_dir / "serve.log"
-        )
+        self.tp, self.flags = tp, ["--tp-size", str(tp), *flags]
+        self.srv = ServerProcess(["--model-path", model, *self.flags, *COMMON], log_dir / "serve.log")
         self.srv.wait_ready()
 
 
-@pytest.fixture(scope="module", params=["default", "llama", "qwen3_kv1"])
+# the MoE models: Qwen3-MoE with whole experts per rank (--ep-size 2), DeepSeek-V3 (MLA heads and a slice of
+# every expert per rank, its grouped router and shared expert on both)
+@pytest.fixture(scope="module", params=["default", "llama", "qwen3_kv1", "qwen3_moe_ep2", "deepseek_v3"])
 def cluster(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"tp-{request.param}")
+    flags: tuple[str, ...] = ()
     if request.param == "default":  # 9 attention heads, 3 KV heads: tp 3 is its smallest split
         model, tp = request.getfixturevalue("default_model"), 3
     elif request.param == "llama":
         model, tp = request.getfixturevalue("tiny_llama"), 2
+    elif request.param == "qwen3_moe_ep2":
+        model, tp, flags = str(build_tiny_moe(d / "model")), 2, ("--ep-size", "2")
+    elif request.param == "deepseek_v3":
+        model, tp = str(build_tiny_deepseek(d / "model")), 2
     else:
         model, tp = build_kv1_qwen3(d / "model"), 2
-    c = Cluster(model, tp, d)
+    c = Cluster(model, tp, d, flags)
     yield c
     c.srv.stop()
 
@@ -138,7 +145,7 @@ def test_plan_matches_each_rank(cluster, capsys):
 
     info = httpx.get(f"{cluster.srv.url}/get_server_info", timeout=10).json()
     model = info["server_args"]["model_path"]
-    rc = plan.main(["--model-path", model, "--tp-size", str(cluster.tp), *COMMON, "--json"])
+    rc = plan.main(["--model-path", model, *cluster.flags, *COMMON, "--json"])
     planned = {line["name"]: line["bytes"] for line in json.loads(capsys.readouterr().out)["lines"]}
     assert rc == 0
     for check in info["memory_check_per_rank"]:

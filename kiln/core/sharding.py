@@ -16,19 +16,40 @@ def divide(n: int, d: int) -> int:
     return n // d
 
 
-def tp_size_problems(hf_config: dict, tp: int) -> list[str]:
-    """Why these ranks cannot split this model: each dimension the layers divide by tp that tp does not divide.
-    Empty when tp fits."""
+def num_routed_experts(hf_config: dict) -> int:
+    return int(
+        hf_config.get("n_routed_experts") or hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+    )
+
+
+def expert_split(tp_rank: int, tp: int, ep: int) -> tuple[int, int, int, int]:
+    """(ep rank, ep size, moe-tp rank, moe-tp size) of a rank, SGLang's layout: the tp ranks form ep groups of
+    tp / ep consecutive ranks; group g holds experts [g E / ep, (g + 1) E / ep), each of them split over the
+    group's tp / ep ranks. ep 1 is plain tensor parallelism: a slice of every expert on every rank."""
+    moe_tp = tp // ep
+    return tp_rank // moe_tp, ep, tp_rank % moe_tp, moe_tp
+
+
+def tp_size_problems(hf_config: dict, tp: int, ep: int = 1) -> list[str]:
+    """Why these ranks cannot split this model: each dimension the layers divide by tp (the experts by ep, their
+    intermediate size by tp / ep) that it does not divide. Empty when tp and ep fit."""
     heads = hf_config.get("num_attention_heads") or 0
     kv_heads = hf_config.get("num_key_value_heads") or heads
+    moe_tp = tp // ep if ep and tp % ep == 0 else tp
     dims = {
-        "num_attention_heads": heads,
-        "intermediate_size": hf_config.get("intermediate_size") or 0,
-        "moe_intermediate_size": hf_config.get("moe_intermediate_size") or 0,
+        "num_attention_heads": (heads, tp),
+        "intermediate_size": (hf_config.get("intermediate_size") or 0, tp),
+        "moe_intermediate_size": (hf_config.get("moe_intermediate_size") or 0, moe_tp),
     }
-    problems = [f"{name} {value}" for name, value in dims.items() if value and value % tp]
+    problems = [f"{name} {value}" for name, (value, by) in dims.items() if value and value % by]
     if kv_heads and kv_heads % tp and tp % kv_heads:  # split evenly, or each head replicated on tp / kv ranks
         problems.append(f"num_key_value_heads {kv_heads}")
+    if ep > 1:
+        experts = num_routed_experts(hf_config)
+        if not experts:
+            problems.append("routed experts: none (--ep-size splits experts; this model is dense)")
+        elif experts % ep:
+            problems.append(f"routed experts {experts} (by --ep-size {ep})")
     return problems
 
 

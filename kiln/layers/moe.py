@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.core.sharding import divide
-from kiln.distributed import all_reduce, tp_rank, tp_size
+from kiln.core.sharding import divide, expert_split
+from kiln.distributed import all_reduce, ep_size, tp_rank, tp_size
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from kiln.layers.rotary import check_choice as _check_choice
@@ -204,18 +204,30 @@ def _stacked_param(shape: tuple[int, ...], loader) -> nn.Parameter:
 
 
 class FusedMoE(nn.Module):
-    """The routed experts, stacked: gate_up_proj [E, 2 I/tp, H] (this rank's gate rows, then its up rows) and
-    down_proj [E, H, I/tp]. Token-expert pairs are sorted by expert and each expert that has tokens runs one
-    matmul over all of them, so the cost is one pair of GEMMs per active expert, not a loop over tokens."""
+    """The routed experts this rank holds, stacked: gate_up_proj [E_local, 2 I/moe_tp, H] (this rank's gate rows,
+    then its up rows) and down_proj [E_local, H, I/moe_tp]. With --ep-size 1 every rank holds a slice of every
+    expert (E_local = E, moe_tp = tp); with --ep-size ep it holds E/ep whole experts' slices over tp/ep ranks
+    (kiln.core.sharding.expert_split). Every rank sees every token, computes the pairs routed to its experts and
+    the all-reduce sums the ranks' parts: each (expert, slice) lives on exactly one rank.
+
+    Token-expert pairs are sorted by expert and each expert that has tokens runs one matmul over all of them, so
+    the cost is one pair of GEMMs per active expert, not a loop over tokens."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        ep_rank, ep, self.tp_rank, self.tp_size = expert_split(tp_rank(), tp_size(), ep_size())
+        self.local_experts = divide(num_experts, ep)
+        self.first_expert = ep_rank * self.local_experts
         self.per_rank = divide(intermediate, self.tp_size)
-        self.gate_up_proj = _stacked_param((num_experts, 2 * self.per_rank, hidden), self.weight_loader)
-        self.down_proj = _stacked_param((num_experts, hidden, self.per_rank), self.weight_loader)
+        self.gate_up_proj = _stacked_param((self.local_experts, 2 * self.per_rank, hidden), self.weight_loader)
+        self.down_proj = _stacked_param((self.local_experts, hidden, self.per_rank), self.weight_loader)
         self.loaded_shards: set[tuple[int, str]] = set()
+
+    def _local(self, expert: int) -> int | None:
+        """The expert's index among this rank's, None when another rank holds it."""
+        local = expert - self.first_expert
+        return local if 0 <= local < self.local_experts else None
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
@@ -227,27 +239,31 @@ class FusedMoE(nn.Module):
             return
         expert, part = shard_id
         _check_choice("expert weight part", part, EXPERT_PARTS)
+        local = self._local(expert)
         start = self.tp_rank * self.per_rank
         if part == "down":
             _check_shape(loaded, (self.hidden, self.intermediate), f"expert {expert} down_proj")
-            param.data[expert].copy_(loaded.narrow(1, start, self.per_rank))
+            if local is not None:
+                param.data[local].copy_(loaded.narrow(1, start, self.per_rank))
         else:
             _check_shape(loaded, (self.intermediate, self.hidden), f"expert {expert} {part}_proj")
-            rows = param.data[expert].narrow(0, 0 if part == "gate" else self.per_rank, self.per_rank)
-            rows.copy_(loaded.narrow(0, start, self.per_rank))
+            if local is not None:
+                rows = param.data[local].narrow(0, 0 if part == "gate" else self.per_rank, self.per_rank)
+                rows.copy_(loaded.narrow(0, start, self.per_rank))
         self.loaded_shards.add((expert, part))
 
     def _load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         e, h, i, n = self.num_experts, self.hidden, self.intermediate, self.per_rank
         start = self.tp_rank * n
+        mine = slice(self.first_expert, self.first_expert + self.local_experts)
         if param is self.gate_up_proj:
             _check_shape(loaded, (e, 2 * i, h), "experts.gate_up_proj")
-            param.data[:, :n].copy_(loaded[:, start : start + n])
-            param.data[:, n:].copy_(loaded[:, i + start : i + start + n])
+            param.data[:, :n].copy_(loaded[mine, start : start + n])
+            param.data[:, n:].copy_(loaded[mine, i + start : i + start + n])
             parts = ("gate", "up")
         else:
             _check_shape(loaded, (e, h, i), "experts.down_proj")
-            param.data.copy_(loaded[:, :, start : start + n])
+            param.data.copy_(loaded[mine, :, start : start + n])
             parts = ("down",)
         self.loaded_shards.update((expert, part) for expert in range(e) for part in parts)
 
@@ -257,8 +273,11 @@ class FusedMoE(nn.Module):
         ]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_weights / topk_ids [T, k] -> [T, H]: sum over k of weight * expert(x)."""
-        flat = topk_ids.reshape(-1)
+        """x [T, H], topk_weights / topk_ids [T, k] -> [T, H]: sum over k of weight * expert(x), this rank's
+        experts' part of it before the all-reduce."""
+        flat = topk_ids.reshape(-1) - self.first_expert
+        # pairs of other ranks' experts sort last (index local_experts) and are left out of the matmuls
+        flat = flat.masked_fill((flat < 0) | (flat >= self.local_experts), self.local_experts)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within each
         token = order // topk_ids.shape[1]
         rows = x.index_select(0, token)
@@ -271,10 +290,10 @@ class FusedMoE(nn.Module):
         return all_reduce(combined)
 
     def _per_expert(self, rows: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        out = torch.empty_like(rows)
+        counts = torch.bincount(flat_ids, minlength=self.local_experts + 1).tolist()
+        out = torch.zeros_like(rows)  # the rows of other ranks' experts stay zero
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts[: self.local_experts]):
             if count:
                 end = start + count
                 gate_up = F.linear(rows[start:end], self.gate_up_proj[expert])
@@ -284,14 +303,15 @@ class FusedMoE(nn.Module):
 
     def _grouped_mm(self, rows: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """The same product without reading the per-expert counts on the host, which a CUDA graph cannot do:
-        the group offsets stay on the device."""
+        the group offsets stay on the device. Rows past the last group (other ranks' experts) come out zero."""
         ones = torch.ones_like(flat_ids, dtype=torch.int32)
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=rows.device).scatter_add_(
+        counts = torch.zeros(self.local_experts + 1, dtype=torch.int32, device=rows.device).scatter_add_(
             0, flat_ids, ones
         )
-        offsets = counts.cumsum(0, dtype=torch.int32)
+        offsets = counts[: self.local_experts].cumsum(0, dtype=torch.int32)
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets)
-        return torch._grouped_mm(silu_and_mul(gate_up), self.down_proj.transpose(1, 2), offs=offsets)
+        out = torch._grouped_mm(silu_and_mul(gate_up), self.down_proj.transpose(1, 2), offs=offsets)
+        return out.masked_fill((flat_ids.sort().values >= self.local_experts).unsqueeze(1), 0)
 
 
 def _check_shape(loaded: torch.Tensor, shape: tuple[int, ...], what: str) -> None:

@@ -122,7 +122,9 @@ def _join_group(args: ServerArgs, spec: RankSpec) -> None:
 
         torch.cuda.set_device(spec.local_rank)
     # a collective waits a little past the front's watchdog, so the front names the silent rank first
-    distributed.init_tp(spec.rank, args.tp_size, device, spec.init_method, args.watchdog_timeout + 30)
+    distributed.init_tp(
+        spec.rank, args.tp_size, device, spec.init_method, args.watchdog_timeout + 30, ep_size=args.ep_size
+    )
 
 
 def engine_main(

@@ -70,14 +70,12 @@ def _agreed(inputs: LedgerInputs) -> LedgerInputs:
 
 def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     """Why --tp-size cannot split this model (a dimension it does not divide), naming the sizes that can."""
-    problems = sharding.tp_size_problems(hf_config, args.tp_size)
+    problems = sharding.tp_size_problems(hf_config, args.tp_size, args.ep_size)
     if not problems:
         return None
     sizes = ", ".join(str(tp) for tp in sharding.valid_tp_sizes(hf_config))
-    return (
-        f"--tp-size {args.tp_size} does not divide this model's {', '.join(problems)}; tensor-parallel sizes "
-        f"that work: {sizes}"
-    )
+    flags = f"--tp-size {args.tp_size}" + (f" --ep-size {args.ep_size}" if args.ep_size > 1 else "")
+    return f"{flags} does not divide this model's {', '.join(problems)}; tensor-parallel sizes that work: {sizes}"
 
 
 def capture_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, on_progress) -> None:
