@@ -361,14 +361,15 @@ PLAN_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("tp", [1, 8, 16])
+# --ep-size tp: each rank holds E / ep whole experts instead of a 1 / tp slice of every expert, the same bytes
+@pytest.mark.parametrize("tp, ep", [(1, 1), (8, 1), (16, 1), (8, 8), (16, 16)])
 @pytest.mark.parametrize("name", sorted(PLAN_CASES))
-def test_plan_moe_models_per_rank(capsys, model_dir, name: str, tp: int):
+def test_plan_moe_models_per_rank(capsys, model_dir, name: str, tp: int, ep: int):
     import kiln.plan as plan
 
     cfg, weights, cell = PLAN_CASES[name]
     argv = ["--model-path", model_dir(cfg, name), "--device", "cuda", "--device-memory", "141GiB"]
-    rc = plan.main([*argv, "--tp-size", str(tp), "--json"])
+    rc = plan.main([*argv, "--tp-size", str(tp), "--ep-size", str(ep), "--json"])
     data = json.loads(capsys.readouterr().out)
     lines = {line["name"]: line["bytes"] for line in data["lines"]}
     assert lines["weights"] == data["weight_bytes"] == weights(tp)
