@@ -75,6 +75,16 @@ class TokenAllocator:
         assert self.page_size == 1, "alloc(n) is for page_size 1; use alloc_extend / alloc_decode"
         return self._take_pages(n)
 
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        """Slots of whole fresh pages for ``n`` tokens (a multiple of page_size): a cached prefix moving between
+        tiers, which owns its pages whole."""
+        assert n % self.page_size == 0, f"{n} tokens are not whole pages of {self.page_size}"
+        pages = self._take_pages(n // self.page_size)
+        if pages is None or self.page_size == 1:
+            return pages
+        offsets = torch.arange(self.page_size, dtype=_INT64, device=pages.device)
+        return (pages.unsqueeze(1) * self.page_size + offsets).reshape(-1)
+
     def alloc_extend(
         self, prefix_lens: list[int], last_slots: list[int], extend_lens: list[int]
     ) -> torch.Tensor | None:

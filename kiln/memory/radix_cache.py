@@ -20,11 +20,15 @@ from kiln.memory.prefix_cache import MatchResult, PrefixCache
 class TreeNode:
     """One edge of the radix tree: a run of tokens and the slots holding their KV."""
 
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access_time", "alive")
+    __slots__ = (
+        "key", "value", "host_value", "parent", "children", "lock_ref", "last_access_time", "alive", "hit_count"
+    )  # fmt: skip
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None) -> None:
         self.key = key
-        self.value = value
+        self.value = value  # device slots; None while the node lives on the host tier only
+        self.host_value: torch.Tensor | None = None  # host-tier slots of its backup (HiRadixCache)
+        self.hit_count = 0
         self.parent = parent
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0
