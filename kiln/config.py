@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import kiln.config_compat as config_compat
+
 
 def _f(default: Any, help: str, **kw) -> Any:
     return field(default=default, metadata={"help": help, **kw})
@@ -24,9 +26,15 @@ def check_mem_fraction_static(value: float | None) -> None:
 class ServerArgs:
     model_path: str | None = _f(
         None,
-        "HF model directory, its config.json (kiln plan only), a .gguf file or a directory holding one "
-        "(default: the bundled SmolLM2-135M-Instruct GGUF)",
+        "HF model directory, its config.json (kiln plan only), a .gguf file or a directory holding one, or a "
+        "Hugging Face model id (org/name) in the local hub cache, never downloaded (default: the bundled "
+        "SmolLM2-135M-Instruct GGUF)",
         aliases=("--model",),
+    )
+    revision: str | None = _f(
+        None,
+        "branch, tag or commit of a Hugging Face model id given as --model-path (looked up in the local hub cache; "
+        "default: main)",
     )
     tokenizer_path: str | None = _f(None, "tokenizer directory (default: the model path)")
     served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model path)")
@@ -37,22 +45,31 @@ class ServerArgs:
     dtype: str = _f(
         "auto",
         "weight/activation dtype: auto (float32 on CPU; on CUDA the checkpoint's half type, float16 for a float32 "
-        "checkpoint, as SGLang) | float32 | bfloat16 | float16",
+        "checkpoint, as SGLang) | float32 | bfloat16 | float16 (SGLang's and vLLM's half = float16, float = float32)",
         choices=["auto", "float32", "bfloat16", "float16"],
+        value_aliases={"half": "float16", "float": "float32"},
     )
     kv_cache_dtype: str = _f(
         "auto",
-        "KV cache dtype: auto (= dtype) | float32 | bfloat16 | float16",
+        "KV cache dtype: auto (= dtype) | float32 | bfloat16 | float16 (SGLang's bf16 = bfloat16; its FP8 and FP4 "
+        "types are refused: Kiln has no quantized KV cache)",
         choices=["auto", "float32", "bfloat16", "float16"],
+        value_aliases={"bf16": "bfloat16"},
     )
-    context_length: int | None = _f(None, "max tokens per request (default: the model's)")
+    context_length: int | None = _f(
+        None, "max tokens per request (default: the model's)", aliases=("--max-model-len",), readable=True
+    )
     mem_fraction_static: float | None = _f(
         None, "fraction of device memory for weights + KV pool (default: chosen by the ledger)"
     )
-    max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides the memory fraction)")
-    max_running_requests: int | None = _f(None, "max requests decoding at once")
-    max_prefill_tokens: int = _f(16384, "token budget of one prefill batch")
-    chunked_prefill_size: int | None = _f(None, "max tokens of one prefill chunk; -1 disables chunking")
+    max_total_tokens: int | None = _f(
+        None, "KV pool size in tokens (overrides the memory fraction)", readable=True
+    )
+    max_running_requests: int | None = _f(None, "max requests decoding at once", aliases=("--max-num-seqs",))
+    max_prefill_tokens: int = _f(16384, "token budget of one prefill batch", readable=True)
+    chunked_prefill_size: int | None = _f(
+        None, "max tokens of one prefill chunk; -1 disables chunking", readable=True
+    )
     page_size: int = _f(1, "tokens per KV page")
     schedule_policy: str = _f("fcfs", "fcfs | lpm (longest cached prefix first)", choices=["fcfs", "lpm"])
     schedule_conservativeness: float = _f(1.0, "scales the decode-token reservation used for admission")
@@ -67,12 +84,14 @@ class ServerArgs:
         "expert-parallel ranks: each of the --tp-size ranks holds whole experts (num_experts / ep-size of them), "
         "each expert split over tp-size / ep-size ranks; 1 = a slice of every expert on every rank (SGLang's "
         "default)",
-        aliases=("--expert-parallel-size",),
+        aliases=("--expert-parallel-size", "--ep"),
     )
     nnodes: int = _f(1, "nodes the tensor-parallel ranks span (tp-size / nnodes ranks on each)")
     node_rank: int = _f(0, "this node's index; node 0 serves HTTP, the others run their ranks only")
     dist_init_addr: str | None = _f(
-        None, "HOST:PORT where the ranks meet (required with --nnodes > 1; default: a free local port)"
+        None,
+        "HOST:PORT where the ranks meet (required with --nnodes > 1; default: a free local port)",
+        aliases=("--nccl-init-addr",),
     )
     dp_size: int = _f(
         1,
@@ -128,44 +147,84 @@ class ServerArgs:
         choices=["xgrammar", "llguidance", "outlines", "none"],
     )
     tool_call_parser: str | None = _f(
-        None, "how tool calls are read from the model's output (SGLang's names: llama3, qwen, mistral, ...)"
+        None,
+        "how tool calls are read from the model's output (SGLang's names; kiln.text.tool_parsers)",
+        choices=["llama3", "qwen25", "qwen", "hermes", "mistral", "deepseekv3", "kimi_k2"],
     )
     reasoning_parser: str | None = _f(
-        None, "splits reasoning_content from content (SGLang's names: deepseek-r1, qwen3, kimi)"
+        None,
+        "splits reasoning_content from content (SGLang's names; kiln.text.reasoning_parsers)",
+        choices=["deepseek-r1", "qwen3", "kimi"],
     )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")
     host_memory: str | None = _f(None, "host RAM to plan for, e.g. 512GiB (default: probed)")
-    enable_hierarchical_cache: bool = _f(False, "keep evicted prefixes in a host-memory tier")
+    enable_hierarchical_cache: bool = _f(
+        False, "keep evicted prefixes in a host-memory tier", aliases=("--enable-hicache",)
+    )
     hicache_size: float = _f(0.0, "host tier size in GB per rank (overrides --hicache-ratio)")
     hicache_ratio: float = _f(2.0, "host tier size as a multiple of the device KV pool")
+    hicache_write_policy: str = _f(
+        "write_through",
+        "when a prefix is copied to the host tier: write_through (as it is cached), write_back (as it is evicted "
+        "from the device), write_through_selective (once it has been hit twice)",
+        choices=["write_through", "write_back", "write_through_selective"],
+    )
+    hicache_storage_backend: str | None = _f(
+        None,
+        "a third tier below the host: file (KV pages in --hicache-storage-dir, kept across restarts and shared "
+        "by the replicas on one disk)",
+        choices=["file"],
+    )
+    hicache_storage_dir: str | None = _f(
+        None, "directory of the file storage tier (default: ~/.cache/kiln/hicache)"
+    )
     cuda_graph_max_bs: int | None = _f(
         None,
         "largest decode batch captured as a graph (default: by device memory on CUDA, 0 = none on the CPU)",
+        aliases=("--cuda-graph-max-bs-decode",),
     )
     cuda_graph_bs: tuple[int, ...] | None = _f(
-        None, "decode batch sizes to capture (default: SGLang's list up to --cuda-graph-max-bs)"
+        None,
+        "decode batch sizes to capture (default: SGLang's list up to --cuda-graph-max-bs)",
+        aliases=("--cuda-graph-bs-decode",),
     )
     cuda_graph_max_bs_prefill: int | None = _f(
         None,
         "largest prefill token count captured, on SGLang's buckets (default: the chunk size on CUDA, 0 on CPU)",
+        readable=True,
     )
     cuda_graph_bs_prefill: tuple[int, ...] | None = _f(None, "prefill token counts to capture")
     disable_cuda_graph: bool = _f(False, "run every step eagerly: no graphs (CUDA) or compiled steps (CPU)")
-    disable_prefill_graph: bool = _f(False, "capture decode only; every prefill runs eagerly")
+    disable_prefill_graph: bool = _f(
+        False, "capture decode only; every prefill runs eagerly", aliases=("--disable-prefill-cuda-graph",)
+    )
     compile_cache_dir: str | None = _f(
         None,
         "where compiled shapes are cached between starts (default: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/kiln/compile)",
     )
     startup_events: str | None = _f(None, "append startup phase transitions as JSON lines to this file")
+    # Not a flag: the SGLang flags (and values) given that Kiln accepts without implementing, as argv tokens
+    # ("--flag", *values), so that startup can say once what Kiln does instead of each (config_compat.py).
+    foreign_flags: tuple[tuple[str, ...], ...] = _f((), "", cli=False)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            # SGLang's and vLLM's other spellings of a value (--dtype half), for arguments built in code too
+            aliases = f.metadata.get("value_aliases")
+            if aliases and getattr(self, f.name) in aliases:
+                object.__setattr__(self, f.name, aliases[getattr(self, f.name)])
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size {self.dp_size} must be >= 1")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ValueError(
+                f"--hicache-storage-backend {self.hicache_storage_backend} sits below the host tier: add "
+                "--enable-hierarchical-cache"
+            )
         if self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         self._check_nodes()
@@ -197,31 +256,97 @@ class ServerArgs:
         return max(4 << 20, 128 * context_len)
 
     def with_defaults(self) -> ServerArgs:
-        """Fill the model path with the default model when none was given."""
-        if self.model_path:
-            return self
-        from kiln.loader.default_model import default_model_path
+        """Fill the model path with the default model when none was given, and turn a Hugging Face model id
+        (--model-path org/name; --tokenizer-path too) into its snapshot directory in the local hub cache at
+        --revision, so that everything after reads a local path; the id stays the served model name, as in
+        SGLang. Raises ValueError for an id the cache does not hold."""
+        from kiln.loader.model_config import hub_snapshot, is_hub_id
 
-        return dataclasses.replace(self, model_path=default_model_path())
+        if not self.model_path:
+            from kiln.loader.default_model import default_model_path
+
+            return dataclasses.replace(self, model_path=default_model_path())
+        changes: dict[str, str] = {}
+        if is_hub_id(self.model_path):
+            changes["model_path"] = hub_snapshot(self.model_path, self.revision)
+            changes["served_model_name"] = self.served_model_name or self.model_path
+        if self.tokenizer_path and is_hub_id(self.tokenizer_path):
+            changes["tokenizer_path"] = hub_snapshot(self.tokenizer_path, self.revision)
+        return dataclasses.replace(self, **changes) if changes else self
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Kiln's flags (the fields), then SGLang's flags that Kiln accepts without implementing (config_compat)."""
         for f in dataclasses.fields(cls):
-            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-            kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name, "default": f.default}
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-            if f.type in ("bool", bool):
-                parser.add_argument(*flags, action="store_true", **kw)
-                continue
-            if str(f.type) == "tuple[int, ...] | None":
-                parser.add_argument(*flags, type=int, nargs="+", **kw)
-                continue
-            typ = {"int | None": int, "int": int, "float": float, "float | None": float}.get(str(f.type), str)
-            parser.add_argument(*flags, type=typ, **kw)
+            if f.metadata.get("cli", True):
+                _add_field_flag(parser, f)
+        config_compat.add_foreign_flags(parser)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items() if k in names}
-        return cls(**values)
+        """The parsed flags; SGLang values Kiln does not take (config_compat.FOREIGN_VALUES) leave the field at its
+        default and join the foreign flags given, to be reported at startup."""
+        values: dict[str, Any] = {}
+        foreign_values: list[tuple[str, ...]] = []
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True) or not hasattr(ns, f.name):
+                continue
+            value = getattr(ns, f.name)
+            flag = _flag(f.name)
+            if value not in f.metadata.get("choices", ()) and config_compat.foreign_value(flag, value):
+                foreign_values.append((flag, value))
+                value = f.default
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+        foreign = config_compat.foreign_flags_given(ns) + tuple(foreign_values)
+        return cls(**values, foreign_flags=foreign)
+
+
+_VALUE_TYPES = {"int | None": int, "int": int, "float": float, "float | None": float}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    """One field's flag: its metadata gives the help, aliases, choices (SGLang's values Kiln does not take
+    accepted too, see from_cli), other spellings of values, and readable counts (32k)."""
+    flags = [_flag(f.name), *f.metadata.get("aliases", ())]
+    kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name, "default": f.default}
+    if f.type in ("bool", bool):
+        parser.add_argument(*flags, action="store_true", **kw)
+        return
+    if str(f.type) == "tuple[int, ...] | None":
+        parser.add_argument(*flags, type=int, nargs="+", **kw)
+        return
+    if "choices" in f.metadata:
+        choices = f.metadata["choices"]
+        foreign = [
+            v for entry in config_compat.FOREIGN_VALUES if entry.flag == flags[0] for v in entry.values
+        ]
+        kw["choices"] = [*choices, *foreign]
+        kw["metavar"] = "{" + ",".join(choices) + "}"
+    aliases = f.metadata.get("value_aliases")
+    if aliases:
+        kw["type"] = lambda value: aliases.get(value, value)
+    elif f.metadata.get("readable"):
+        kw["type"] = config_compat.human_readable_int
+        kw["help"] += " (a count: 32k = 32000, 1M = 1000000, 4Ki = 4096)"
+    else:
+        kw["type"] = _VALUE_TYPES.get(str(f.type), str)
+    parser.add_argument(*flags, **kw)
+
+
+def sglang_flags_markdown() -> str:
+    """docs/sglang_flags.md, generated from `kiln serve`'s parser (config_compat.markdown_table)."""
+    parser = argparse.ArgumentParser(prog="kiln serve")
+    ServerArgs.add_cli_args(parser)
+    return config_compat.markdown_table(parser)
+
+
+if __name__ == "__main__":  # python -m kiln.config --sglang-flags-markdown > docs/sglang_flags.md
+    import sys
+
+    if sys.argv[1:] != ["--sglang-flags-markdown"]:
+        sys.exit("usage: python -m kiln.config --sglang-flags-markdown")
+    print(sglang_flags_markdown(), end="")

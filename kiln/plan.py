@@ -8,10 +8,12 @@ gate a deployment on it.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 from kiln.config import ServerArgs
+from kiln.config_compat import foreign_flag_messages
 from kiln.loader.model_config import read_hf_config
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table, format_verdict, ledger_json
@@ -40,10 +42,20 @@ def ledger_for_args(args: ServerArgs) -> Ledger:
     return compute_ledger(LedgerInputs.from_args(args, read_hf_config(args.model_path)))
 
 
+def print_foreign_flags(args: ServerArgs) -> None:
+    """The lines `kiln serve` would log for the SGLang flags Kiln takes without implementing, on stderr (stdout
+    stays the plan, --json parseable)."""
+    for level, line in foreign_flag_messages(args.foreign_flags):
+        kind = "warning" if level >= logging.WARNING else "note"
+        print(f"kiln plan: {kind}: {line}", file=sys.stderr)
+
+
 def run(namespace: argparse.Namespace) -> int:
     """Print the ledger and the verdict; 0 fits, 1 does not fit, 2 unusable arguments."""
     try:
-        args = ServerArgs.from_cli(namespace).with_defaults()
+        given = ServerArgs.from_cli(namespace)
+        print_foreign_flags(given)
+        args = given.with_defaults()
         ledger = ledger_for_args(args)
     except (ValueError, KeyError, TypeError, OSError) as e:  # OSError: no default model installed
         print(f"kiln plan: error: {e}", file=sys.stderr)
@@ -51,7 +63,9 @@ def run(namespace: argparse.Namespace) -> int:
     if namespace.json:
         print(ledger_json(ledger))
     else:
-        name = Path(args.model_path).name or args.model_path
+        # a Hugging Face id by its name, not by the hash its snapshot directory is named after
+        hub_id = given.model_path if given.model_path and given.model_path != args.model_path else None
+        name = hub_id or Path(args.model_path).name or args.model_path
         title = f"Kiln memory plan for {name}: {ledger.device}, tp {ledger.tp_size}, per rank (GiB = 2^30 B)"
         print(format_table(ledger, title))
         print(format_verdict(ledger))

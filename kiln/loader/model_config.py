@@ -1,18 +1,51 @@
-"""The one way from a --model-path to a model config: an HF model directory, its config.json, a .gguf file, or a
-directory holding exactly one .gguf file. Reads metadata only, never weights."""
+"""The one way from a --model-path to a model config: an HF model directory, its config.json, a .gguf file, a
+directory holding exactly one .gguf file, or a Hugging Face model id already in the local hub cache. Reads
+metadata only, never weights, and never downloads."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from kiln.models.config import ModelConfig
 
+# "name" or "org/name" as the Hub spells them; anything else (./x, /x, a/b/c, ~/x) can only be a local path
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
-def resolve_model_path(model_path: str) -> str:
+
+def is_hub_id(model_path: str) -> bool:
+    """Whether --model-path names a Hugging Face model id rather than a local path: it is spelled like one and
+    nothing exists at it locally (a local directory of the same name wins, as in transformers)."""
+    return _HUB_ID.fullmatch(model_path) is not None and not Path(model_path).exists()
+
+
+def hub_snapshot(model_id: str, revision: str | None = None) -> str:
+    """The local snapshot directory of a Hugging Face model id in the hub cache (HF_HUB_CACHE, else HF_HOME/hub,
+    as huggingface_hub reads them), at `revision` (a branch, tag or commit; default main). Offline by design:
+    Kiln never downloads (a server start should not depend on the hub), so a miss is a ValueError naming the id
+    and the cache directory."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    shown = model_id + (f"@{revision}" if revision else "")
+    try:
+        return snapshot_download(model_id, revision=revision, local_files_only=True)
+    except (LocalEntryNotFoundError, IncompleteSnapshotError, ValueError) as e:
+        raise ValueError(
+            f"--model-path {shown}: no local path, and not in the Hugging Face hub cache {constants.HF_HUB_CACHE} "
+            f"({type(e).__name__}). Kiln never downloads: fetch it where the hub is reachable (`hf download "
+            f"{model_id}`) and point HF_HUB_CACHE or HF_HOME at that cache, or give a local directory"
+        ) from e
+
+
+def resolve_model_path(model_path: str, revision: str | None = None) -> str:
     """The path weights load from: a directory with a config.json, a .gguf file (also the one .gguf file of a
-    directory without config.json), or a config.json file (planning only: its directory must hold the weights to
-    serve). Raises ValueError naming what was expected."""
+    directory without config.json), a config.json file (planning only: its directory must hold the weights to
+    serve), or the hub cache's snapshot of a model id at `revision` (see hub_snapshot). Raises ValueError naming
+    what was expected."""
+    if is_hub_id(model_path):
+        model_path = hub_snapshot(model_path, revision)
     path = Path(model_path)
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -31,9 +64,9 @@ def resolve_model_path(model_path: str) -> str:
     )
 
 
-def read_hf_config(model_path: str) -> dict:
+def read_hf_config(model_path: str, revision: str | None = None) -> dict:
     """The HF config dict of a model path (see resolve_model_path); GGUF metadata is translated to HF names."""
-    path = Path(resolve_model_path(model_path))
+    path = Path(resolve_model_path(model_path, revision))
     if path.suffix == ".gguf":
         from kiln.loader.gguf_loader import read_gguf_config
 
@@ -49,6 +82,7 @@ def read_hf_config(model_path: str) -> dict:
     return config
 
 
-def load_model_config(model_path: str) -> ModelConfig:
+def load_model_config(model_path: str, revision: str | None = None) -> ModelConfig:
     """The ModelConfig of a model path, its weights' path resolved (see resolve_model_path)."""
-    return ModelConfig.from_hf_dict(resolve_model_path(model_path), read_hf_config(model_path))
+    resolved = resolve_model_path(model_path, revision)
+    return ModelConfig.from_hf_dict(resolved, read_hf_config(resolved))

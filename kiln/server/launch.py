@@ -15,6 +15,7 @@ import time
 import uvicorn
 
 from kiln.config import ServerArgs
+from kiln.config_compat import foreign_flag_messages
 from kiln.core.logs import configure_logging
 from kiln.scheduler.io import (
     EngineReady,
@@ -308,7 +309,14 @@ def _tp_refusal(args: ServerArgs) -> str | None:
 def serve(args: ServerArgs) -> int:
     configure_logging(args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = args.with_defaults()
+    # the SGLang flags Kiln takes without implementing, each said once with what Kiln does instead
+    for level, line in foreign_flag_messages(args.foreign_flags):
+        logger.log(level, line)
+    try:
+        args = args.with_defaults()
+    except ValueError as e:  # a Hugging Face model id the local hub cache does not hold
+        logger.error(f"Kiln failed: {e}")
+        return 1
     refusal = _tp_refusal(args)
     if refusal:
         logger.error(f"Kiln failed: {refusal}")

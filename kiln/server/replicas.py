@@ -101,7 +101,7 @@ def cli_argv(args: ServerArgs) -> list[str]:
     argv: list[str] = []
     for f in dataclasses.fields(ServerArgs):
         value = getattr(args, f.name)
-        if value == f.default:
+        if value == f.default or f.metadata.get("cli") is False:
             continue
         flag = "--" + f.name.replace("_", "-")
         if value is None:  # no flag spells None over a non-None default
@@ -112,6 +112,8 @@ def cli_argv(args: ServerArgs) -> list[str]:
             argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
+    for tokens in args.foreign_flags:  # SGLang flags Kiln only acknowledges: each replica logs them too
+        argv += list(tokens)
     return argv
 
 
