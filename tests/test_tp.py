@@ -92,8 +92,10 @@ def cluster(request, tmp_path_factory):
         model, tp, flags = str(build_tiny_moe(d / "model")), 2, ("--ep-size", "2")
     elif request.param == "deepseek_v3":
         model, tp = str(build_tiny_deepseek(d / "model")), 2
-    else:
+    else:  # with the host and storage tiers: the ranks agree on what their own files hold
         model, tp = build_kv1_qwen3(d / "model"), 2
+        tiers = ("--enable-hierarchical-cache", "--hicache-size", "0.01", "--hicache-storage-backend", "file")
+        flags = (*tiers, "--hicache-storage-dir", str(d / "kv"))
     c = Cluster(model, tp, d, flags)
     yield c
     c.srv.stop()

@@ -21,10 +21,11 @@ from collections.abc import Iterator
 
 import torch
 
+import kiln.distributed as distributed
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.host_pool import HostKVPool
-from kiln.memory.prefix_cache import MatchResult
 from kiln.memory.radix_cache import RadixCache, TreeNode
+from kiln.memory.storage_tier import FileStorageTier
 
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 SELECTIVE_HITS = 2  # write_through_selective backs a node up on its second hit, as SGLang's threshold
@@ -32,7 +33,11 @@ SELECTIVE_HITS = 2  # write_through_selective backs a node up on its second hit,
 
 class HiRadixCache(RadixCache):
     def __init__(
-        self, allocator: TokenAllocator, host: HostKVPool, write_policy: str = "write_through"
+        self,
+        allocator: TokenAllocator,
+        host: HostKVPool,
+        write_policy: str = "write_through",
+        storage: FileStorageTier | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(
@@ -42,6 +47,7 @@ class HiRadixCache(RadixCache):
             raise ValueError(f"host page size {host.page_size} != device page size {allocator.page_size}")
         self.host = host
         self.write_policy = write_policy
+        self.storage = storage
         self.host_hit_tokens = 0  # tokens loaded back from the host tier, since the start
         self.load_back_seconds = 0.0
         self._pinned: set[int] = (
@@ -83,31 +89,51 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ interface
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """The cached prefix on either tier; a host-resident continuation is loaded back onto the device first
-        (as far as device slots can be found), so the result is device slots as with one tier."""
-        end = len(key) // self.page_size * self.page_size
-        key = key[:end]
-        now = next(self._clock)
-        node, pos, values = self.root_node, 0, []
-        while pos < end:
-            child = node.children.get(self._page_key(key, pos))
-            if child is None:
-                break
-            m = self._common_len(child.key, key, pos)
-            if m < len(child.key):
-                child = self._split(child, m)
-            if child.value is None and not self._load_back(child):
-                break
-            values.append(child.value)
-            child.hit_count += 1
-            if self.write_policy == "write_through_selective" and child.hit_count >= SELECTIVE_HITS:
-                self._backup(child)
-            pos += m
-            node = child
-            self._touch(node, now)
-        indices = torch.cat(values) if values else self._empty
-        return MatchResult(indices=indices, node=node)
+    # a match's walk: a host-only node comes back to the device; past the tree, the storage tier's blocks follow
+
+    def _reach(self, node: TreeNode) -> bool:
+        if node.value is None and not self._load_back(node):
+            return False  # no device room for it: the match stops above it
+        node.hit_count += 1
+        if self.write_policy == "write_through_selective" and node.hit_count >= SELECTIVE_HITS:
+            self._backup(node)
+        return True
+
+    def _beyond_tree(self, key: list[int], node: TreeNode, pos: int, values: list) -> tuple[TreeNode, int]:
+        if self.storage is None or pos >= len(key):
+            return node, pos
+        return self._prefetch(key, node, pos, values)
+
+    def _prefetch(self, key: list[int], node: TreeNode, pos: int, values: list) -> tuple[TreeNode, int]:
+        """Extend a match that the tree ends at `pos` with the stored blocks that follow it: device slots for
+        their tokens, the rows copied in, and a node for them in the tree (so the host tier backs it up too)."""
+        assert self.storage is not None
+        block = self.storage.block_tokens
+        first = pos // block
+        names = self.storage.block_names(key)[first:]
+        blocks = self.storage.load(names) if names and self.storage.contains(names[0]) else []
+        # every rank reads its own files, and one rank may miss a block another has (a write still under way,
+        # a bad file): the ranks take the blocks all of them have, so their trees stay the same
+        blocks = blocks[: distributed.min_across_ranks([len(blocks)])[0]]
+        end = (first + len(blocks)) * block
+        if end <= pos:
+            return node, pos
+        self.lock(node)
+        try:
+            if self.allocator.available_size() < end - pos:
+                self.evict(end - pos - self.allocator.available_size())
+            slots = self.allocator.alloc_pages(end - pos)
+        finally:
+            self.unlock(node)
+        if slots is None:
+            return node, pos
+        self.storage.copy_into(blocks, pos - first * block, slots)
+        prefix = torch.cat([*values, slots])
+        self.insert(key[:end], prefix)
+        values.append(slots)
+        leaf = node.children[self._page_key(key, pos)]
+        assert leaf.value is not None and torch.equal(leaf.value, slots)
+        return leaf, end
 
     def _load_back(self, node: TreeNode) -> bool:
         """Give a host-only node device slots again and copy its KV into them; False when the device has no room
@@ -153,6 +179,8 @@ class HiRadixCache(RadixCache):
         already = super().insert(key, indices)
         if self.write_policy == "write_through" and already < end:
             self._backup_path(key[:end])
+        if self.storage is not None:
+            self.storage.write(key[:end], indices[:end])
         return already
 
     def _backup_path(self, key: list[int]) -> None:
@@ -247,6 +275,31 @@ class HiRadixCache(RadixCache):
         self._init_tree()
 
     # ------------------------------------------------------------------ inspection
+
+    def tier_stats(self) -> dict:
+        """Sizes and traffic of the host and storage tiers, by SchedulerStats field (O(1): no tree walk)."""
+        stats = {
+            "host_tier_tokens": self.host.size,
+            "host_used_tokens": self.host.size - self.host.allocator.available_size(),
+            "host_hit_tokens": self.host_hit_tokens,
+            "host_load_back_seconds": self.load_back_seconds,
+            "host_bytes_written": self.host.bytes_written,
+        }
+        if self.storage is not None:
+            stats.update(
+                storage_hit_tokens=self.storage.hit_tokens,
+                storage_bytes_written=self.storage.bytes_written,
+                storage_load_seconds=self.storage.load_seconds,
+                storage_skipped_files=self.storage.skipped_files,
+            )
+        return stats
+
+    def host_integrity(self) -> dict:
+        """The host tier's invariant: slots held by nodes + free slots == its size (each held once)."""
+        held, free = self._host_slots(), self.host.allocator.available_size()
+        unique = held.unique().numel() == held.numel()
+        return {"held": held.numel(), "free": free, "total": self.host.size,
+                "ok": unique and held.numel() + free == self.host.size}  # fmt: skip
 
     def host_cached_tokens(self) -> int:
         return sum(len(n.key) for n in self._iter_nodes() if n.host_value is not None)

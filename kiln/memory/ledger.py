@@ -11,7 +11,9 @@ fail.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 from kiln.config import check_mem_fraction_static
 from kiln.core.units import GIB, gb, gib
@@ -205,6 +207,22 @@ def reserve_lines(
     ]
 
 
+def _storage_lines(inputs: LedgerInputs) -> list[LedgerLine]:
+    """The file storage tier: no budget of its own (it is bounded by the disk), so the line shows the free disk
+    where its files go, shared by every rank and replica using that directory."""
+    if inputs.hicache_storage_dir is None:
+        return []
+    path = Path(inputs.hicache_storage_dir)
+    while not path.exists() and path != path.parent:  # not created yet: the disk of its nearest parent
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    return [
+        LedgerLine(
+            "storage tier disk free", free, f"--hicache-storage-backend file in {inputs.hicache_storage_dir}"
+        )
+    ]
+
+
 def host_check(inputs: LedgerInputs, pool: int, device_used: int) -> tuple[list[LedgerLine], str | None]:
     """Host tier lines (per rank, per node) and the host-memory failure message, if any."""
     if not inputs.enable_hierarchical_cache:
@@ -233,6 +251,7 @@ def host_check(inputs: LedgerInputs, pool: int, device_used: int) -> tuple[list[
             "host tier node", node, f"{inputs.tp_size} ranks x {gb(per_rank)} = {gb(node)} of system RAM"
         ),
         LedgerLine("host budget", budget, f"available RAM {gb(host)} - reserve {gb(reserve)}{minus}"),
+        *_storage_lines(inputs),
     ]
     if node <= budget:
         return lines, None

@@ -5,6 +5,7 @@ way from serve's flags to the inputs, for `kiln serve` and `kiln plan` alike."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import kiln.platform as platform
@@ -42,6 +43,7 @@ class LedgerInputs:
     hicache_size_gb: float = 0.0
     hicache_ratio: float = 2.0
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
+    hicache_storage_dir: str | None = None  # the file storage tier's directory; None: no storage tier
     draft_hf_config: dict | None = None  # speculative decoding draft model
     weight_prepack: bool = True  # CPU float32: linear weights in a packed layout (a tied lm head gets a copy)
     # CPU float32 with prepacking: GGUF Q4_1 / Q8_0 matrices stay in their blocks (Kiln's kernel, AVX2); from_args
@@ -82,6 +84,7 @@ class LedgerInputs:
             hicache_size_gb=args.hicache_size,
             hicache_ratio=args.hicache_ratio,
             host_memory_bytes=_host_memory(args),
+            hicache_storage_dir=_storage_dir(args),
             weight_prepack=not args.disable_weight_prepack,
             gguf_blocks=blocks,
         )
@@ -99,6 +102,12 @@ def _device_memory(args: ServerArgs, device: str) -> tuple[int, int]:
     if device == "cpu" and args.tp_size > 1:
         total, available = total // args.tp_size, available // args.tp_size
     return total, available
+
+
+def _storage_dir(args: ServerArgs) -> str | None:
+    if args.hicache_storage_backend != "file":
+        return None
+    return args.hicache_storage_dir or str(Path("~/.cache/kiln/hicache").expanduser())
 
 
 def _host_memory(args: ServerArgs) -> int | None:

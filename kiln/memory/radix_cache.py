@@ -123,12 +123,24 @@ class RadixCache(PrefixCache):
             m = self._common_len(child.key, key, pos)
             if m < len(child.key):
                 child = self._split(child, m)
+            if not self._reach(child):
+                break
             values.append(child.value)
             pos += m
             node = child
             self._touch(node, now)
+        node, pos = self._beyond_tree(key, node, pos, values)
         indices = torch.cat(values) if values else self._empty
         return MatchResult(indices=indices, node=node)
+
+    def _reach(self, node: TreeNode) -> bool:
+        """A match walking into `node`: may it use it? (The two-tier cache loads a host-only node back here.)"""
+        return True
+
+    def _beyond_tree(self, key: list[int], node: TreeNode, pos: int, values: list) -> tuple[TreeNode, int]:
+        """Where the tree's match of `key` ends (at `node`, `pos` tokens in): the two-tier cache continues it from
+        its storage tier, appending slots to `values`; here it ends."""
+        return node, pos
 
     def lock(self, node: TreeNode) -> None:
         while node is not self.root_node:

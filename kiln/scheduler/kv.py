@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kiln.memory.allocator import TokenAllocator
+from kiln.memory.hiradix_cache import HiRadixCache
 from kiln.memory.prefix_cache import PrefixCache
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.scheduler.req import Req
@@ -141,6 +142,11 @@ class KVManager:
         self.table.free(req.table_idx)
         req.table_idx, req.node, req.cached_len, req.kv_len = None, None, 0, 0
 
+    def tier_stats(self) -> dict:
+        """The hierarchical cache's figures, by SchedulerStats field; empty with one tier."""
+        cache = self.cache
+        return cache.tier_stats() if isinstance(cache, HiRadixCache) else {}
+
     def flush(self) -> None:
         self.cache.reset()
 
@@ -153,7 +159,7 @@ class KVManager:
         cached = self.cache.total_size()
         in_use = self.private_tokens(live)
         total = self.allocator.size
-        return {
+        report = {
             "free": free,
             "cached": cached,
             "in_use": in_use,
@@ -161,3 +167,7 @@ class KVManager:
             "ok": free + cached + in_use == total
             and self.table.available_size() + len(live) == self.table.size,
         }
+        if isinstance(self.cache, HiRadixCache):  # the host tier: every host slot held by a node or free
+            host = self.cache.host_integrity()
+            report.update(host=host, ok=report["ok"] and host["ok"])
+        return report

@@ -4,6 +4,7 @@ Shared by the in-process Engine and the engine process behind the HTTP server.""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -12,6 +13,7 @@ import torch
 
 import kiln.core.sharding as sharding
 import kiln.distributed as distributed
+import kiln.memory.storage_tier as storage_tier
 from kiln.config import ServerArgs
 from kiln.core.dtypes import torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
@@ -19,6 +21,7 @@ from kiln.loader.model_config import read_hf_config, resolve_model_path
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table
 from kiln.memory.ledger_types import Ledger, LedgerInputs
+from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.scheduler.scheduler import Scheduler
@@ -61,11 +64,19 @@ def plan_ledger(args: ServerArgs, hf_config: dict | None = None) -> MemoryPlan:
 
 def _agreed(inputs: LedgerInputs) -> LedgerInputs:
     """With several ranks, the memory every rank can hold (a MIN all-reduce of what each probed), so that every
-    rank computes the same ledger and allocates the same pool before anything is allocated."""
-    total, available = distributed.min_across_ranks(
-        [inputs.device_memory_bytes, inputs.available_memory_bytes]
+    rank computes the same ledger and allocates the same pool before anything is allocated. The host RAM the
+    hierarchical cache's node budget is checked against is agreed the same way: no rank allocates a host tier
+    that another rank's view of the node would refuse."""
+    host = inputs.host_memory_bytes
+    total, available, agreed_host = distributed.min_across_ranks(
+        [inputs.device_memory_bytes, inputs.available_memory_bytes, -1 if host is None else host]
     )
-    return replace(inputs, device_memory_bytes=total, available_memory_bytes=available)
+    return replace(
+        inputs,
+        device_memory_bytes=total,
+        available_memory_bytes=available,
+        host_memory_bytes=None if agreed_host < 0 else agreed_host,
+    )
 
 
 def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
@@ -157,7 +168,35 @@ def _scheduler(runner: ModelRunner, tokenizer, ledger: Ledger, args: ServerArgs)
         random_seed=args.random_seed,
         stream_interval=args.stream_interval,
         decode_log_interval=args.decode_log_interval,
+        grammar_backend=args.grammar_backend,
+        host_tier_tokens=host_tier_tokens(ledger),
+        hicache_write_policy=args.hicache_write_policy,
+        kv_storage=kv_storage(args, runner),
     )
+
+
+def kv_storage(args: ServerArgs, runner: ModelRunner) -> FileStorageTier | None:
+    """The file storage tier, its files named for this model, dtype, rank and pool layout."""
+    if args.hicache_storage_backend != "file":
+        return None
+    identity = {
+        "model": storage_tier.checkpoint_identity(args.model_path),
+        "dtype": str(runner.dtype),
+        "kv_dtype": str(runner.kv_dtype),
+        "tp": [distributed.tp_rank(), distributed.tp_size()],
+        "page_size": args.page_size,
+    }
+    tensors = [*runner.kv_pool.k, *runner.kv_pool.v]
+    block = math.lcm(storage_tier.DEFAULT_BLOCK_TOKENS, args.page_size)
+    root = args.hicache_storage_dir or storage_tier.default_storage_dir()
+    return FileStorageTier(root, storage_tier.model_fingerprint(identity), tensors, block)
+
+
+def host_tier_tokens(ledger: Ledger) -> int:
+    """Tokens the host tier holds: the ledger's per-rank bytes over the bytes of one token's KV."""
+    if not ledger.has_line("host tier per rank") or not ledger.kv_bytes_per_token:
+        return 0
+    return ledger.line("host tier per rank").bytes // ledger.kv_bytes_per_token
 
 
 def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EngineParts:

@@ -1,0 +1,118 @@
+"""The hierarchical cache on the default model, in-process engines side by side in one run.
+
+1. Multi-turn chat whose history outgrows a deliberately small device pool: --conversations chats take turns
+   (round robin), each turn sending the whole history plus a new user message; the device pool holds about two
+   histories, so without a host tier every turn of a chat finds its history evicted and prefills it again. The
+   figure is the mean time to first token of the turns after the first round (a turn is one prefill and one new
+   token), with the host tier against without it, the same turns in the same order.
+2. Restart: a long prefix prefilled cold, the engine shut down, a new engine started on the same storage
+   directory; the time to first token of the same prompt served from the file storage tier against the cold one.
+
+    python benchmarks/bench_hicache.py [--conversations 6] [--turns 4] [--pool-tokens 2048]
+                                       [--prefix-tokens 2000] [--threads N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+FIRST_TOKEN = {"max_new_tokens": 1, "temperature": 0}
+
+
+def user_message(conversation: int, turn: int) -> str:
+    words = " ".join(f"c{conversation}t{turn}w{i}" for i in range(12))
+    return f"\nUser: please look at {words}\nAssistant: noted, {words[:60]}"
+
+
+def engine(model: str, pool_tokens: int, **tier):
+    import kiln
+
+    return kiln.Engine(model_path=model, device="cpu", max_total_tokens=pool_tokens, **tier)
+
+
+def ttft(eng, prompt: str) -> float:
+    t0 = time.perf_counter()
+    eng.generate(prompt, FIRST_TOKEN)
+    return time.perf_counter() - t0
+
+
+def chat_ttfts(model: str, args: argparse.Namespace, **tier) -> list[float]:
+    """TTFT of every turn after the first round."""
+    eng = engine(model, args.pool_tokens, **tier)
+    try:
+        histories = ["System: a long chat." for _ in range(args.conversations)]
+        times = []
+        for turn in range(args.turns):
+            for c in range(args.conversations):
+                histories[c] += user_message(c, turn)
+                seconds = ttft(eng, histories[c])
+                if turn:
+                    times.append(seconds)
+        return times
+    finally:
+        eng.shutdown()
+
+
+def restart_ttfts(model: str, args: argparse.Namespace) -> tuple[float, float, int]:
+    """(cold TTFT, TTFT after a restart from storage, prompt tokens)."""
+    prompt = " ".join(f"line {i}: the value is {i * 7 % 13}." for i in range(args.prefix_tokens // 10))
+    with tempfile.TemporaryDirectory() as storage:
+        tier = dict(
+            enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=storage
+        )
+        eng = engine(model, args.prefix_tokens * 2, **tier)
+        tokens = len(eng.tokenizer.encode(prompt))
+        cold = ttft(eng, prompt)
+        eng.scheduler.kv.cache.storage.drain()
+        eng.shutdown()
+        eng = engine(model, args.prefix_tokens * 2, **tier)
+        try:
+            warm = ttft(eng, prompt)
+            assert eng.scheduler.kv.cache.storage.hit_tokens > 0, "the restart did not hit the storage tier"
+        finally:
+            eng.shutdown()
+    return cold, warm, tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
+    p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--pool-tokens", type=int, default=2048)
+    p.add_argument("--prefix-tokens", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from kiln.loader.default_model import default_model_path
+
+    model = args.model or default_model_path()
+    plain = chat_ttfts(model, args)
+    tiered = chat_ttfts(model, args, enable_hierarchical_cache=True, hicache_ratio=8.0)
+    cold, warm, tokens = restart_ttfts(model, args)
+    result = {
+        "chat_mean_ttft_s": {"device_only": statistics.mean(plain), "host_tier": statistics.mean(tiered)},
+        "chat_ratio": statistics.mean(tiered) / statistics.mean(plain),
+        "restart": {
+            "prompt_tokens": tokens,
+            "cold_ttft_s": cold,
+            "storage_ttft_s": warm,
+            "ratio": warm / cold,
+        },
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
