@@ -35,6 +35,10 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs_num: int = 0
     logit_bias: dict[int, float] | None = None
+    # constrained decoding (SGLang's names): the output matches this JSON schema, regex or EBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -74,6 +78,7 @@ class SamplingParams:
                 raise InvalidParam(name, f"{name}={value!r} {msg}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidParam("seed", f"seed={self.seed} must fit in 64 bits")
+        self.validate_constraint()
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidParam("min_new_tokens", "min_new_tokens must be <= max_new_tokens")
         if vocab_size is not None:
@@ -89,3 +94,15 @@ class SamplingParams:
                     )
                 if not (-100.0 <= float(bias) <= 100.0):
                     raise InvalidParam("logit_bias", f"bias {bias} for token {tid} must be in [-100, 100]")
+
+    def validate_constraint(self) -> None:
+        """At most one of json_schema, regex and ebnf, each a non-empty string (compiled later, by the backend)."""
+        given = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        for name in given:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidParam(name, f"{name} must be a non-empty string")
+        if len(given) > 1:
+            raise InvalidParam(
+                given[1], f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})"
+            )

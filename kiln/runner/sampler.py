@@ -1,6 +1,6 @@
 """Token sampler: logit processing (bias, penalties, bans), greedy, temperature/top-k/top-p/min-p sampling.
 
-Order per row: logit_bias added; repetition penalty over prompt+output (positive logits divided, negative
+Order per row: the grammar's vocabulary mask (tokens it forbids set to -inf); logit_bias added; repetition penalty over prompt+output (positive logits divided, negative
 multiplied); frequency * count and presence * (count > 0) subtracted over output tokens; banned ids set to
 -inf. Greedy rows take the argmax of those processed logits. Sampled rows divide by temperature; top-k,
 top-p and min-p are independent masks over the full distribution (a token survives when it is in the k most
@@ -23,7 +23,15 @@ import torch
 
 from kiln.sampling_params import SamplingParams
 
-__all__ = ["SamplingRow", "SampleOutput", "sample", "process_logits", "apply_penalties", "argmax_ids"]
+__all__ = [
+    "SamplingRow",
+    "SampleOutput",
+    "sample",
+    "process_logits",
+    "apply_penalties",
+    "apply_vocab_masks",
+    "argmax_ids",
+]
 
 
 @dataclass
@@ -33,6 +41,8 @@ class SamplingRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     banned_ids: Sequence[int] = ()  # masked to -inf this step (EOS/stop ids while below min_new_tokens)
+    # constrained decoding: bool [V] of the tokens the request's grammar allows next (any device); None: all
+    vocab_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -48,7 +58,7 @@ def _wants_logprobs(p: SamplingParams) -> bool:
 
 def _needs_processing(row: SamplingRow) -> bool:
     p = row.params
-    return bool(p.logit_bias) or p.needs_penalties or len(row.banned_ids) > 0
+    return bool(p.logit_bias) or p.needs_penalties or len(row.banned_ids) > 0 or row.vocab_mask is not None
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
@@ -98,9 +108,25 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits
 
 
+def apply_vocab_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Set to -inf, in place, every token a row's grammar forbids; the masks travel to the logits' device in
+    one copy. Nothing the later steps add (bias, penalties) can lift a -inf back."""
+    masked = [i for i, row in enumerate(rows) if row.vocab_mask is not None]
+    if not masked:
+        return
+    device = logits.device
+    masks = torch.stack([rows[i].vocab_mask.to("cpu") for i in masked]).to(device, non_blocking=True)
+    if len(masked) == len(rows):
+        logits.masked_fill_(~masks, float("-inf"))
+        return
+    index = torch.tensor(masked, device=device)
+    logits[index] = logits[index].masked_fill(~masks, float("-inf"))
+
+
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """A processed copy of logits [len(rows), V]: logit_bias, then penalties, then banned ids -> -inf."""
+    """A processed copy of logits [len(rows), V]: grammar masks, logit_bias, penalties, banned ids -> -inf."""
     out = logits.float().clone().contiguous()
+    apply_vocab_masks(out, rows)
     vocab, device = out.shape[-1], out.device
     flat = out.view(-1)
     bias_idx: list[int] = []

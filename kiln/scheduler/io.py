@@ -119,6 +119,22 @@ class SchedulerStats:
     cached_tokens: int = 0
     generation_tokens: int = 0
     failed: int = 0
+    # constrained decoding: compile cache hits and misses, and compile seconds as a histogram (counts per bucket
+    # of kiln.structured.cache.COMPILE_BUCKETS, cumulative as Prometheus has them, and their sum)
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
+    grammar_compile_buckets: tuple[int, ...] = ()
+    grammar_compile_seconds_sum: float = 0.0
+    # the hierarchical cache's tiers (zero when off): HiRadixCache.tier_stats
+    host_tier_tokens: int = 0
+    host_used_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_load_back_seconds: float = 0.0
+    host_bytes_written: int = 0
+    storage_hit_tokens: int = 0
+    storage_bytes_written: int = 0
+    storage_load_seconds: float = 0.0
+    storage_skipped_files: int = 0
 
     def counters(self) -> dict[str, int]:
         """The counters alone, by name (the `stats` object of /get_server_info)."""

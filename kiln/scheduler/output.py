@@ -44,6 +44,21 @@ class OutputProcessor:
         if req.finish_reason is not None and matched is None:
             req.pending_text += req.detok.flush()
 
+    def follow_grammar(self, req: Req, token: int) -> None:
+        """Advance a constrained request's matcher by its new token; a grammar that can take no further token
+        ends the request as a stop on that token (SGLang's rule), so nothing past the match is generated."""
+        if req.matcher is None or req.finished:
+            return
+        if not req.matcher.accept(token):  # unreachable while the mask applied: rank 0 sampled under it
+            req.finish_reason = {
+                "type": "abort",
+                "message": f"grammar refused token {token}: {req.matcher.error}",
+            }
+        elif req.matcher.is_terminated:
+            req.finish_reason = {"type": "stop", "matched": token}
+        if req.finished:
+            req.pending_text += req.detok.flush()
+
     def should_stream(self, req: Req) -> bool:
         return req.stream and len(req.pending_ids) >= self.stream_interval
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from kiln.sampling_params import SamplingParams
+from kiln.structured.matcher import GrammarMatcher
 
 
 class Req:
@@ -47,6 +49,10 @@ class Req:
         self.pending_ids: list[int] = []
         self.pending_text = ""
         self.pending_logprobs: list = []
+        # constrained decoding: the matcher being compiled (the request waits in the grammar queue), then the
+        # matcher itself, which has consumed exactly output_ids (retraction keeps both, so they stay in step)
+        self.grammar: Future | None = None
+        self.matcher: GrammarMatcher | None = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -8,13 +8,18 @@ import logging
 import random
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict
 
 import torch
 
 import kiln.distributed as distributed
-from kiln.memory.prefix_cache import NoPrefixCache
+from kiln.memory.hiradix_cache import HiRadixCache
+from kiln.memory.host_pool import HostKVPool
+from kiln.memory.prefix_cache import NoPrefixCache, PrefixCache
 from kiln.memory.radix_cache import RadixCache
+from kiln.memory.storage_tier import FileStorageTier
 from kiln.runner.model_runner import ModelRunner
 from kiln.runner.sampler import SamplingRow, sample
 from kiln.sampling_params import InvalidParam
@@ -25,6 +30,10 @@ from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.prefill import PrefillAdder
 from kiln.scheduler.req import Req
 from kiln.scheduler.validate import Limits, validate_request
+from kiln.structured.backend import make_backend
+from kiln.structured.cache import GrammarCache
+from kiln.structured.masks import BatchMasks, batch_masks, blocked_finish
+from kiln.structured.spec import spec_of
 from kiln.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kiln")
@@ -34,6 +43,24 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 IN_BATCH_PREFIX_TOKENS = 32  # SGLang's IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
 DEADLINE_MESSAGE = "request timed out (--request-timeout)"
+
+
+def make_prefix_cache(
+    runner: ModelRunner,
+    page_size: int,
+    disabled: bool,
+    host_tier_tokens: int,
+    write_policy: str,
+    storage: FileStorageTier | None = None,
+) -> PrefixCache:
+    """The prefix cache: none, the radix tree, or (--enable-hierarchical-cache) the radix tree over the device
+    pool, a host tier of host_tier_tokens and, if given, a storage tier."""
+    if disabled:
+        return NoPrefixCache(runner.allocator, page_size)
+    if host_tier_tokens > 0:
+        host = HostKVPool(runner.kv_pool, host_tier_tokens)
+        return HiRadixCache(runner.allocator, host, write_policy, storage)
+    return RadixCache(runner.allocator, page_size)
 
 
 class Scheduler:
@@ -54,12 +81,16 @@ class Scheduler:
         random_seed: int | None = None,
         stream_interval: int = 1,
         decode_log_interval: int = 40,
+        host_tier_tokens: int = 0,
+        hicache_write_policy: str = "write_through",
+        kv_storage: FileStorageTier | None = None,
+        grammar_backend: str = "llguidance",
     ):
         self.runner = runner
         self.tokenizer = tokenizer
         allocator = runner.allocator
-        cache = (
-            NoPrefixCache(allocator, page_size) if disable_radix_cache else RadixCache(allocator, page_size)
+        cache = make_prefix_cache(
+            runner, page_size, disable_radix_cache, host_tier_tokens, hicache_write_policy, kv_storage
         )
         self.kv = KVManager(allocator, runner.table, cache, radix_enabled=not disable_radix_cache)
         cfg = runner.model_config
@@ -78,6 +109,11 @@ class Scheduler:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.out = OutputProcessor(eos, context_len, stream_interval)
+        backend = make_backend(
+            grammar_backend, tokenizer, [getattr(tokenizer, "eos_token_id", None), *sorted(eos)]
+        )
+        self.grammars = GrammarCache(backend) if backend is not None else None
+        self.grammar_queue: list[Req] = []  # constrained requests whose matcher is compiling
         self.decode_log_interval = decode_log_interval
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -106,9 +142,39 @@ class Scheduler:
             )
         detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim)
         req = Req(msg.rid, list(msg.input_ids), p, detok, gen, msg.stream, msg.deadline)
+        spec = spec_of(p)
+        if spec is not None and self.grammars is None:
+            message = f"{spec.kind}: constrained decoding is off on this server (--grammar-backend none)"
+            self.outbox.append(self.out.error_output(msg.rid, len(msg.input_ids), message))
+            return
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        if spec is not None and self.grammars is not None:
+            req.grammar = self.grammars.submit(spec)
+            self.grammar_queue.append(req)
+        else:
+            self.waiting.append(req)
         self.counters.prompt_tokens += len(req.input_ids)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; a refused one fails alone. With several
+        tensor-parallel ranks each waits for its compile, so that every rank admits the same requests."""
+        if not self.grammar_queue:
+            return
+        if distributed.tp_size() > 1:
+            wait_futures([r.grammar for r in self.grammar_queue if r.grammar is not None])
+        elif not (self.waiting or self.running or self.chunked):  # nothing else to do: sleep on the compiles
+            wait_futures(
+                [r.grammar for r in self.grammar_queue if r.grammar is not None], 0.01, FIRST_COMPLETED
+            )
+        for req in [r for r in self.grammar_queue if r.grammar is None or r.grammar.done()]:
+            self.grammar_queue.remove(req)
+            future, req.grammar = req.grammar, None
+            error = future.exception() if future is not None else None
+            if error is not None:
+                self._finish_abort(req, str(error), error=str(error))
+                continue
+            req.matcher = future.result() if future is not None else None
+            self.waiting.append(req)
 
     def abort(self, msg: AbortReq) -> None:
         targets = (
@@ -124,6 +190,8 @@ class Scheduler:
     def _finish_abort(self, req: Req, message: str, error: str | None = None) -> None:
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self.grammar_queue:
+            self.grammar_queue.remove(req)
         if req in self.running:
             self.running.remove(req)
         if self.chunked is req:
@@ -140,13 +208,14 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.grammar_queue)
 
     def step(self) -> list[ReqOutput]:
         """One scheduling iteration; returns the outputs it produced. With several tensor-parallel ranks, rank 0's
         loop turns expired deadlines into aborts every rank receives (expired_aborts) instead."""
         if distributed.tp_size() == 1:
             self._expire_deadlines()
+        self._admit_compiled()
         batch = None
         if not (self.last_was_prefill and self.running):
             batch = self._build_prefill()
@@ -309,20 +378,42 @@ class Scheduler:
             )
 
     def _sample_and_process(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        banned = [self.out.banned_ids(r) for r in reqs]
+        masks = batch_masks([r.matcher for r in reqs], banned, logits.shape[-1])
+        if masks.blocked:  # every rank computes the same masks, so every rank ends the same rows here
+            for i in masks.blocked:
+                self._end_blocked(reqs[i])
+            blocked = set(masks.blocked)
+            keep = [i for i in range(len(reqs)) if i not in blocked]
+            reqs, banned, logits = [reqs[i] for i in keep], [banned[i] for i in keep], logits[keep]
+            masks = BatchMasks([masks.masks[i] for i in keep], [])
+            if not reqs:
+                return
         rows = [
-            SamplingRow(r.params, r.generator, r.input_ids, r.output_ids, self.out.banned_ids(r))
-            for r in reqs
+            SamplingRow(r.params, r.generator, r.input_ids, r.output_ids, banned[i], masks.masks[i])
+            for i, r in enumerate(reqs)
         ]
         result = sample(logits, rows)
         next_ids = distributed.broadcast_token_ids(result.next_token_ids)  # rank 0's tokens on every rank
         for i, r in enumerate(reqs):
             self.out.append_token(r, next_ids[i], result.logprobs[i], result.top_logprobs[i])
+            self.out.follow_grammar(r, next_ids[i])
             self.counters.generation_tokens += 1
             if r.finished:
                 self.running.remove(r)
                 self._finish(r)
             elif self.out.should_stream(r):
                 self.outbox.append(self.out.flush_output(r))
+
+    def _end_blocked(self, req: Req) -> None:
+        """A constrained request whose grammar allows no token now ends before sampling (see blocked_finish)."""
+        assert req.matcher is not None
+        req.finish_reason = blocked_finish(req.matcher)
+        req.pending_text += req.detok.flush()
+        self.running.remove(req)
+        if req.finish_reason["type"] == "abort":
+            self.counters.aborted += 1
+        self._finish(req)
 
     def _finish(self, req: Req) -> None:
         self.kv.cache_finished(req)
@@ -404,7 +495,20 @@ class Scheduler:
             cache_tokens=self.kv.cache_tokens(),
             integrity_violations=self.integrity_violations,
             **asdict(self.counters),
+            **self._grammar_stats(),
+            **self.kv.tier_stats(),
         )
+
+    def _grammar_stats(self) -> dict:
+        if self.grammars is None:
+            return {}
+        counters = self.grammars.counters
+        return {
+            "grammar_cache_hits": counters.hits,
+            "grammar_cache_misses": counters.misses,
+            "grammar_compile_buckets": counters.buckets(),
+            "grammar_compile_seconds_sum": sum(counters.compile_seconds),
+        }
 
     def check_integrity(self) -> dict:
         report = self.kv.integrity(self.live_reqs())

@@ -1,0 +1,69 @@
+"""Constrained decoding at the HTTP front: OpenAI's response_format turned into SGLang's json_schema, and every
+constraint checked by the grammar backend before the request is queued, so a spec it refuses is a 400 naming
+the feature (never a 500, never a weaker constraint)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from prometheus_client.core import HistogramMetricFamily
+
+from kiln.sampling_params import InvalidParam, SamplingParams
+from kiln.scheduler.io import SchedulerStats
+from kiln.server.protocol import ResponseFormat
+from kiln.structured.backend import check_spec
+from kiln.structured.cache import COMPILE_BUCKETS
+from kiln.structured.spec import ANY_JSON_OBJECT, GrammarError, GrammarSpec, spec_of
+
+
+def response_format_schema(response_format: ResponseFormat | None) -> str | None:
+    """The JSON schema (as text) that response_format asks for; None for free text."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return ANY_JSON_OBJECT
+    fmt = response_format.json_schema
+    if fmt is None:
+        raise InvalidParam("response_format", "response_format json_schema needs its json_schema object")
+    if fmt.schema_ is None:
+        return ANY_JSON_OBJECT
+    return json.dumps(fmt.schema_)
+
+
+@functools.lru_cache(maxsize=256)
+def _refusal(kind: str, text: str) -> str | None:
+    """The backend's refusal of a spec, or None; cached so that a schema sent again is checked once."""
+    try:
+        check_spec(GrammarSpec(kind, text))
+    except GrammarError as e:
+        return str(e)
+    return None
+
+
+def check_constraint(params: SamplingParams, grammar_backend: str, param: str | None = None) -> None:
+    """Refuse (InvalidParam) a constraint the backend cannot enforce or a server without a backend.
+
+    `param` names the request field the constraint came from (response_format); without it, the
+    sampling_params field itself (sampling_params.json_schema)."""
+    spec = spec_of(params)
+    if spec is None:
+        return
+    where = param or f"sampling_params.{spec.kind}"
+    if grammar_backend == "none":
+        raise InvalidParam(where, "constrained decoding is off on this server (--grammar-backend none)")
+    refusal = _refusal(spec.kind, spec.text)
+    if refusal is not None:
+        raise InvalidParam(where, refusal)
+
+
+def grammar_compile_histogram(stats: SchedulerStats) -> HistogramMetricFamily:
+    """kiln:grammar_compile_seconds from the engine's bucket counts (empty until the first compile)."""
+    counts = stats.grammar_compile_buckets or (0,) * (len(COMPILE_BUCKETS) + 1)
+    bounds = [str(bound) for bound in COMPILE_BUCKETS] + ["+Inf"]
+    return HistogramMetricFamily(
+        "kiln:grammar_compile_seconds",
+        "seconds to compile a constraint into a grammar (cache misses only)",
+        buckets=list(zip(bounds, counts, strict=True)),
+        sum_value=stats.grammar_compile_seconds_sum,
+    )
