@@ -142,9 +142,10 @@ class ServerArgs:
         choices=["auto", "kiln", "f32", "onednn"],
     )
     grammar_backend: str = _f(
-        "xgrammar",
-        "library that compiles response_format / regex / ebnf / json_schema constraints into token masks",
-        choices=["xgrammar", "llguidance", "outlines", "none"],
+        "llguidance",
+        "library that compiles response_format / regex / ebnf / json_schema constraints into token masks "
+        "(llguidance: it refuses schema features it cannot enforce; docs/structured_output.md) | none",
+        choices=["llguidance", "none"],
     )
     tool_call_parser: str | None = _f(
         None,

@@ -662,6 +662,12 @@ FOREIGN_VALUES: tuple[ForeignValue, ...] = (
         "Kiln has a file storage tier only (--hicache-storage-backend file): it keeps no third tier",
     ),
     ForeignValue(
+        "--grammar-backend",
+        ("xgrammar", "outlines"),
+        "Kiln compiles constraints with llguidance, which refuses a schema feature it cannot enforce where these "
+        "apply it silently: it uses llguidance",
+    ),
+    ForeignValue(
         "--schedule-policy",
         ("dfs-weight", "hrrn", "lof", "priority", "random", "routing-key", "shortest-prefill-first"),
         "Kiln schedules fcfs or lpm only: it schedules fcfs",

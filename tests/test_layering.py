@@ -23,6 +23,8 @@ LAYERS = [
     "models",
     "loader",
     "text",
+    "structured",
+    "config_compat",
     "config",
     "memory",
     "runner",

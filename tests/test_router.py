@@ -154,7 +154,16 @@ def test_a_replica_gets_the_same_flags_on_its_own_port():
 
 
 def test_a_replica_gets_the_sglang_flags_kiln_only_acknowledges():
-    line = ["serve", "--model-path", "/m", "--dp-size", "2", "--trust-remote-code", "--attention-backend", "fa3"]
+    line = [
+        "serve",
+        "--model-path",
+        "/m",
+        "--dp-size",
+        "2",
+        "--trust-remote-code",
+        "--attention-backend",
+        "fa3",
+    ]
     args = ServerArgs.from_cli(cli.build_parser().parse_args(line))
     assert args.foreign_flags
     argv = cli_argv(args)

@@ -154,15 +154,15 @@ def test_vocab_size_is_the_one_the_cases_assume(server):
 
 
 @pytest.mark.parametrize("path", [CMPL, CHAT])
-def test_unknown_model_is_404(server, path):
-    body = (
-        {"model": "no-such-model", "prompt": "Hi"}
-        if path == CMPL
-        else {"model": "no-such-model", "messages": MSG}
-    )
-    err = check_error(post(server.url, path, body), 404, "model", "no-such-model")
+def test_unknown_model_is_served_but_not_listed(server, path):
+    """As SGLang: a request's `model` names no other model (one is served), but /v1/models/<name> is 404; a
+    "<model>:<adapter>" name asks for a LoRA adapter, refused by name."""
+    body = {"model": "no-such-model", "max_tokens": 1}
+    body |= {"prompt": "Hi"} if path == CMPL else {"messages": MSG}
+    assert post(server.url, path, body).status_code == 200
+    check_error(post(server.url, path, {**body, "model": "no-such-model:adapter"}), 400, "model", "LoRA")
+    err = check_error(httpx.get(f"{server.url}/v1/models/no-such-model", timeout=30), 404, "model")
     assert err["code"] == "model_not_found"
-    check_error(httpx.get(f"{server.url}/v1/models/no-such-model", timeout=30), 404, "model")
     assert_still_serving(server.url)
 
 
@@ -212,7 +212,7 @@ def test_openai_client_sees_the_error_fields(server):
         client.completions.create(model=None, prompt="Hi", temperature=-1)
     assert bad.value.status_code == 400 and bad.value.param == "temperature"
     with pytest.raises(openai.NotFoundError) as missing:
-        client.chat.completions.create(model="no-such-model", messages=MSG)
+        client.models.retrieve("no-such-model")
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
     ok = client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=1)
     assert ok.usage.completion_tokens == 1

@@ -28,25 +28,22 @@ def _one_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_serve(sub: Any) -> None:
-    from kiln.bench.serve import BACKEND_ALIASES, ENDPOINTS
-
-    p = sub.add_parser("serve", help="stream a workload to a running server and report latency/throughput")
-    a = p.add_argument
+def _add_serve_dataset(a: Any) -> None:
+    """The workload flags of `kiln bench serve` (SGLang's names and defaults where it has them)."""
     a(
-        "--backend",
-        default="openai",
-        choices=[*ENDPOINTS, *BACKEND_ALIASES],
-        help="openai: /v1/completions; openai-chat: /v1/chat/completions; kiln: native /generate",
+        "--dataset-name",
+        default="random",
+        choices=["random", "sharegpt", "shared-prefix", "multi-turn", "jsonl"],
     )
-    a("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:30000 (default: --host/--port)")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=30000)
-    a("--model", default=None, help="model name sent to OpenAI endpoints (default: the server's first)")
-    a("--tokenizer", default=None, help="HF dir or .gguf file (default: Kiln's default model)")
-    a("--dataset-name", default="random", choices=["random", "shared-prefix", "multi-turn", "jsonl"])
-    a("--dataset-path", default=None, help='jsonl: one {"prompt": str, "output_len": int} per line')
+    a(
+        "--dataset-path",
+        default=None,
+        help='sharegpt: a ShareGPT JSON file (a list of {"conversations": [...]}); '
+        'jsonl: one {"prompt": str, "output_len": int} per line',
+    )
     a("--num-prompts", type=int, default=1000, help="requests (multi-turn: conversations)")
+    a("--sharegpt-output-len", type=int, default=None, help="sharegpt: output tokens per request")
+    a("--sharegpt-context-len", type=int, default=None, help="sharegpt: drop requests longer than this")
     a("--random-input-len", type=int, default=1024)
     a("--random-output-len", type=int, default=1024)
     a(
@@ -62,6 +59,34 @@ def _add_serve(sub: Any) -> None:
     a("--gsp-question-len", type=int, default=128)
     a("--gsp-output-len", type=int, default=256)
     a(
+        "--apply-chat-template",
+        action="store_true",
+        help="render single-turn prompts through the tokenizer's chat template (openai-chat: the server does)",
+    )
+
+
+def _add_serve(sub: Any) -> None:
+    from kiln.bench.serve import BACKEND_ALIASES, ENDPOINTS
+
+    p = sub.add_parser("serve", help="stream a workload to a running server and report latency/throughput")
+    a = p.add_argument
+    a(
+        "--backend",
+        default="openai",
+        choices=[*ENDPOINTS, *BACKEND_ALIASES],
+        help="openai: /v1/completions; openai-chat: /v1/chat/completions; kiln: native /generate",
+    )
+    a("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:30000 (default: --host/--port)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--model", default=None, help="model name sent to OpenAI endpoints (default: the server's first)")
+    a(
+        "--tokenizer",
+        default=None,
+        help="HF dir or .gguf file (default: the served model's, from the server's /model_info)",
+    )
+    _add_serve_dataset(a)
+    a(
         "--request-rate",
         type=float,
         default=float("inf"),
@@ -69,12 +94,22 @@ def _add_serve(sub: Any) -> None:
     )
     a("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     a("--seed", type=int, default=1)
-    a("--ignore-eos", action="store_true", help='send "ignore_eos": true so output lengths are fixed')
+    # EOS is ignored by default, as in SGLang's bench_serving, so that output lengths are the workload's.
+    a("--ignore-eos", action="store_true", default=True, help="(the default) send ignore_eos: true")
+    a("--disable-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
     a("--extra-request-body", default=None, help="JSON object merged into every request body")
     a("--warmup-requests", type=int, default=1)
+    a("--flush-cache", action="store_true", help="POST /flush_cache after the warm-up, before the run")
     a("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     a("--total-timeout", type=float, default=3600.0, help="seconds the whole run may take")
-    a("--output-json", default=None, help="append one JSON record per run to this file")
+    a(
+        "--output-file",
+        "--output-json",
+        dest="output_file",
+        default=None,
+        help="append one JSON record per run to this file (default: SGLang's name, "
+        "{backend}_{MMDD}_{num_prompts}_{input}_{output}.jsonl, in the current directory)",
+    )
     a("--disable-tqdm", action="store_true")
     p.set_defaults(func=_serve)
 

@@ -30,7 +30,7 @@ RECORD_ARGS = (
     "backend", "base_url", "model", "dataset_name", "dataset_path", "num_prompts", "max_concurrency", "seed",
     "ignore_eos", "random_input_len", "random_output_len", "random_range_ratio", "gsp_num_groups",
     "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len", "num_turns",
-    "tokenizer",
+    "tokenizer", "sharegpt_output_len", "apply_chat_template", "flush_cache",
 )  # fmt: skip
 
 
@@ -177,6 +177,37 @@ async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | N
         return "default"
 
 
+async def flush_cache(client: httpx.AsyncClient, base_url: str) -> None:
+    """POST /flush_cache, so that the run does not start on prompts the warm-up left in the prefix cache."""
+    resp = await client.post(base_url + "/flush_cache", timeout=60)
+    if resp.status_code != 200:
+        raise RuntimeError(f"POST {base_url}/flush_cache answered {resp.status_code}: {resp.text[:300]}")
+
+
+def server_tokenizer(base_url: str) -> str | None:
+    """The served model's tokenizer path from the server's /model_info (SGLang's route and field names; older
+    SGLang servers answer only /get_model_info), or None when the server does not say."""
+    for route in ("/model_info", "/get_model_info"):
+        try:
+            resp = httpx.get(base_url + route, timeout=10, trust_env=False)
+            if resp.status_code == 200:
+                info = resp.json()
+                return info.get("tokenizer_path") or info.get("model_path") or None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+    return None
+
+
+def default_output_file(args: Any) -> str:
+    """SGLang's default name for the JSONL record file."""
+    day = datetime.datetime.now().strftime("%m%d")
+    if args.dataset_name.startswith("random"):
+        return (
+            f"{args.backend}_{day}_{args.num_prompts}_{args.random_input_len}_{args.random_output_len}.jsonl"
+        )
+    return f"{args.backend}_{day}_{args.num_prompts}_{args.dataset_name}.jsonl"
+
+
 def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
     """Seconds after the start at which each conversation begins: Poisson arrivals (all at 0 for inf)."""
     rng, t, out = random.Random(seed), 0.0, []
@@ -209,6 +240,8 @@ async def benchmark(args: Any, convs: list[Conversation], tok) -> tuple[list[Req
             rec = await one(RequestInput(inp.prompt, inp.prompt_len, min(inp.output_len, 16)))
             if not rec.success:
                 raise RuntimeError(f"warm-up request to {base_url}{ENDPOINTS[backend]} failed: {rec.error}")
+        if getattr(args, "flush_cache", False):
+            await flush_cache(client, base_url)
 
         n_requests = sum(len(c.turns) for c in convs)
         sem = asyncio.Semaphore(args.max_concurrency or n_requests or 1)
@@ -251,6 +284,11 @@ def run_serve(args: Any) -> dict:
 
     if not args.base_url:
         args.base_url = f"http://{args.host}:{args.port}"
+    args.base_url = args.base_url.rstrip("/")
+    if args.tokenizer is None:
+        args.tokenizer = server_tokenizer(args.base_url)
+        where = "named by the server's /model_info" if args.tokenizer else "(no /model_info answer)"
+        print(f"tokenizer: {args.tokenizer or 'the default model'} {where}")
     tok = load_tokenizer(args.tokenizer)
     convs = build_workload(args, tok)
     if not convs:
@@ -263,7 +301,7 @@ def run_serve(args: Any) -> dict:
     record.update({k: getattr(args, k, None) for k in RECORD_ARGS})
     record["num_requests"] = len(records)
     record.update(metrics)
-    if args.output_json:
-        with open(args.output_json, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+    args.output_file = getattr(args, "output_file", None) or default_output_file(args)
+    with open(args.output_file, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
     return record

@@ -170,6 +170,56 @@ def jsonl_workload(tokenizer: Any, path: str, num_prompts: int | None = None) ->
     return convs
 
 
+def sharegpt_workload(
+    tokenizer: Any,
+    path: str,
+    num_prompts: int,
+    seed: int,
+    output_len: int | None = None,
+    context_len: int | None = None,
+) -> list[Conversation]:
+    """SGLang's sharegpt sampling: each conversation's first two turns as prompt and reference answer, shuffled
+    with the seed, keeping pairs of at least 2 tokens each (and within `context_len`); the answer's length is
+    the request's output length unless `output_len` fixes it."""
+    if output_len is not None and output_len < 4:
+        raise ValueError("--sharegpt-output-len must be at least 4")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    pairs = []
+    for item in data:
+        turns = item.get("conversations", item.get("conversation", []))
+        if len(turns) >= 2:
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    random.Random(seed).shuffle(pairs)
+    convs: list[Conversation] = []
+    for prompt, answer in pairs:
+        if len(convs) == num_prompts:
+            break
+        prompt_len = count_tokens(tokenizer, prompt)
+        out_len = count_tokens(tokenizer, answer) if output_len is None else output_len
+        if prompt_len < 2 or out_len < 2 or (context_len and prompt_len + out_len > context_len):
+            continue
+        convs.append(Conversation([Turn(prompt, prompt_len, out_len)]))
+    return convs
+
+
+def apply_chat_template(tokenizer: Any, convs: list[Conversation]) -> list[Conversation]:
+    """Single-turn prompts rendered as one user message through the tokenizer's chat template (its BOS text
+    removed, since the server adds BOS itself), as SGLang's --apply-chat-template does."""
+    out = []
+    for conv in convs:
+        if len(conv.turns) != 1:
+            out.append(conv)
+            continue
+        turn = conv.turns[0]
+        messages = [{"role": "user", "content": turn.prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if tokenizer.bos_token:
+            text = text.replace(tokenizer.bos_token, "")
+        out.append(Conversation([Turn(text, count_tokens(tokenizer, text), turn.output_len)]))
+    return out
+
+
 def render_text(history: list[tuple[str, str]], user: str) -> str:
     """A multi-turn conversation as one completion prompt: earlier turns, then the new user message."""
     parts = [f"User: {u}\nAssistant: {a}\n" for u, a in history]
@@ -185,8 +235,28 @@ def render_messages(history: list[tuple[str, str]], user: str) -> list[dict[str,
 
 
 def build_workload(args: Any, tokenizer: Any) -> list[Conversation]:
-    """The workload named by --dataset-name, from the parsed CLI arguments."""
+    """The workload named by --dataset-name, from the parsed CLI arguments (through the chat template with
+    --apply-chat-template, except for the chat backend, whose server applies it)."""
+    convs = _named_workload(args, tokenizer)
+    chat_backend = getattr(args, "backend", "") in ("openai-chat", "sglang-oai-chat", "vllm-chat")
+    if getattr(args, "apply_chat_template", False) and not chat_backend:
+        return apply_chat_template(tokenizer, convs)
+    return convs
+
+
+def _named_workload(args: Any, tokenizer: Any) -> list[Conversation]:
     name = args.dataset_name
+    if name == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT JSON file)")
+        return sharegpt_workload(
+            tokenizer,
+            args.dataset_path,
+            args.num_prompts,
+            args.seed,
+            args.sharegpt_output_len,
+            args.sharegpt_context_len,
+        )
     if name == "random":
         return random_workload(
             tokenizer,

@@ -18,7 +18,10 @@ def divide(n: int, d: int) -> int:
 
 def num_routed_experts(hf_config: dict) -> int:
     return int(
-        hf_config.get("n_routed_experts") or hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+        hf_config.get("n_routed_experts")
+        or hf_config.get("num_experts")
+        or hf_config.get("num_local_experts")
+        or 0
     )
 
 

@@ -220,7 +220,9 @@ class FusedMoE(nn.Module):
         self.local_experts = divide(num_experts, ep)
         self.first_expert = ep_rank * self.local_experts
         self.per_rank = divide(intermediate, self.tp_size)
-        self.gate_up_proj = _stacked_param((self.local_experts, 2 * self.per_rank, hidden), self.weight_loader)
+        self.gate_up_proj = _stacked_param(
+            (self.local_experts, 2 * self.per_rank, hidden), self.weight_loader
+        )
         self.down_proj = _stacked_param((self.local_experts, hidden, self.per_rank), self.weight_loader)
         self.loaded_shards: set[tuple[int, str]] = set()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam
-from kiln.scheduler.io import EngineState, ServerInfo
+from kiln.scheduler.io import EngineState, SchedulerStats, ServerInfo
 from kiln.server.bodies import decode_json, read_body
 from kiln.server.engine_client import EngineClient
 from kiln.server.openai_api import EngineRequestError, OpenAIServing
@@ -30,6 +30,16 @@ from kiln.server.protocol import (
     error_body,
 )
 from kiln.server.responses import BodyReadTimeout, BodyTooLarge, ModelNotFound, QueueFull
+from kiln.server.sglang_fields import refuse_unsupported
+from kiln.server.sglang_routes import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    health_generate,
+    model_info,
+    sglang_server_info,
+    tokenize,
+)
 from kiln.server.startup import StartupState
 
 if TYPE_CHECKING:
@@ -44,6 +54,10 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/generate": GenerateRequest,
     "/abort_request": AbortRequest,
+    "/v1/tokenize": TokenizeRequest,
+    "/tokenize": TokenizeRequest,
+    "/v1/detokenize": DetokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 
 
@@ -134,9 +148,11 @@ async def json_object(request: Request, not_object: InvalidParam) -> dict:
 async def _parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     data = await json_object(request, InvalidParam("body", "the body must be a JSON object"))
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
+    refuse_unsupported(body)
+    return body
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
@@ -219,8 +235,18 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
             status_code=503,
         )
 
-    for path in ("/health", "/ready", "/health_generate"):
+    for path in ("/health", "/ready"):
         app.add_api_route(path, _readiness, methods=["GET"])
+
+    @app.get("/health_generate")
+    async def health_generate_route():
+        """SGLang's: 200 once a one-token generation (or any other output) comes back, 503 otherwise."""
+        not_ready = _readiness()
+        if not_ready.status_code != 200:
+            return not_ready
+        if await health_generate(_serving(state).client):
+            return PlainTextResponse("", status_code=200)
+        return JSONResponse({"ready": True, "healthy": False, "error": "no token came back"}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -261,6 +287,20 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def generate(request: Request):
         return await _serving(state).generate(await _parse_body(request, GenerateRequest), request)
 
+    async def tokenize_route(request: Request):
+        return tokenize(_serving(state), await _parse_body(request, TokenizeRequest))
+
+    async def detokenize_route(request: Request):
+        return detokenize(_serving(state), await _parse_body(request, DetokenizeRequest))
+
+    for prefix, suffix in (("/v1", "_v1"), ("", "")):  # SGLang serves both paths
+        app.add_api_route(
+            f"{prefix}/tokenize", tokenize_route, methods=["POST"], operation_id=f"tokenize{suffix}"
+        )
+        app.add_api_route(
+            f"{prefix}/detokenize", detokenize_route, methods=["POST"], operation_id=f"detokenize{suffix}"
+        )
+
 
 def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     async def flush_cache():
@@ -277,6 +317,8 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     async def server_info():
         engine = await _serving(state).client.engine_state()
         return {
+            # SGLang's layout first (its flat arguments, scheduler figures, version); Kiln's fields over it
+            **sglang_server_info(state.args, engine),
             # SGLang's top-level fields, which SGLang's router reads when it registers a worker
             "model_path": state.args.model_path,
             "served_model_name": state.model_name,
@@ -303,12 +345,8 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/get_model_info")
     @app.get("/model_info")
-    async def model_info():
-        return {
-            "model_path": state.args.model_path,
-            "tokenizer_path": state.args.tokenizer_path or state.args.model_path,
-            "is_generation": True,
-        }
+    async def model_info_route():
+        return model_info(state.args, state.model_name)
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
@@ -334,7 +372,16 @@ def server_info_json(engine: EngineState) -> dict:
         "integrity": engine.integrity,
         "stats": stats.counters(),
         "cache_tokens": stats.cache_tokens,
+        **_hierarchical_cache(stats),
     }
+
+
+def _hierarchical_cache(stats: SchedulerStats) -> dict:
+    """The tiers' sizes and use, when --enable-hierarchical-cache is on."""
+    if not stats.host_tier_tokens:
+        return {}
+    names = [f.name for f in fields(stats) if f.name.startswith(("host_", "storage_"))]
+    return {"hierarchical_cache": {name: getattr(stats, name) for name in names}}
 
 
 class GateMiddleware:

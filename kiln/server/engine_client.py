@@ -76,8 +76,10 @@ class EngineClient:
         stream: bool = False,
         rid: str | None = None,
         deadline: float | None = None,
+        observe: bool = True,
     ) -> AsyncIterator[ReqOutput]:
-        """Yields the request's outputs until it finishes; aborts it if the consumer stops early."""
+        """Yields the request's outputs until it finishes; aborts it if the consumer stops early. `observe`
+        False keeps it out of the front's latency metrics (a health probe is no client's request)."""
         rid = rid or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
@@ -88,7 +90,7 @@ class EngineClient:
             while True:
                 out: ReqOutput = await q.get()
                 finished = out.finished
-                if self.metrics is not None:
+                if self.metrics is not None and observe:
                     now = time.time()
                     if out.queue_time is not None:
                         self.metrics.queue.observe(out.queue_time)

@@ -129,7 +129,7 @@ class Launcher:
         if not self.args.disable_metrics:
             from kiln.server.metrics import Metrics
 
-            self.state.metrics = client.metrics = Metrics(info)
+            self.state.metrics = client.metrics = Metrics(info, self.state.model_name)
         client.start()
         self.state.client = client
         limits = Limits(info.vocab_size, info.context_len, info.max_total_num_tokens)
@@ -139,7 +139,15 @@ class Launcher:
             else None
         )
         self.state.serving = OpenAIServing(
-            client, tokenizer, limits, self.state.model_name, self.args.request_timeout, max_in_flight
+            client,
+            tokenizer,
+            limits,
+            self.state.model_name,
+            self.args.request_timeout,
+            max_in_flight,
+            grammar_backend=self.args.grammar_backend,
+            tool_call_parser=self.args.tool_call_parser,
+            reasoning_parser=self.args.reasoning_parser,
         )
         self.state.startup.enter("warming_up")
         if not self.args.skip_server_warmup and not await self._warm_up(client, tokenizer):

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,17 +18,21 @@ from kiln.sampling_params import InvalidParam, SamplingParams
 from kiln.scheduler.fanout import FanOut, Sample, fan_out
 from kiln.scheduler.io import OutputAccumulator, ReqOutput
 from kiln.scheduler.validate import Limits, validate_request
+from kiln.server.constraints import check_constraint, response_format_schema
 from kiln.server.engine_client import EngineClient
+from kiln.server.native import LogprobShape, check_logprob_start, native_body
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kiln.server.responses import (
-    ChoiceState,
-    ModelNotFound,
     QueueFull,
+    echo_prefixes,
     finish_name,
     logprobs_chat,
     logprobs_completion,
+    stream_error_event,
     usage,
 )
+from kiln.server.sglang_fields import check_model_name
+from kiln.server.tool_calls import ChatTools, ChoiceReader, template_messages
 from kiln.text.tokenizer import apply_chat_template, longest_token_bytes
 
 
@@ -45,7 +49,13 @@ class OpenAIServing:
         model_name: str,
         request_timeout: float | None = None,
         max_in_flight: int | None = None,
+        grammar_backend: str = "llguidance",
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
+        self.grammar_backend = grammar_backend
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.max_in_flight = max_in_flight
         self.client = client
         self.tokenizer = tokenizer
@@ -55,8 +65,7 @@ class OpenAIServing:
         self.token_bytes = longest_token_bytes(tokenizer)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ModelNotFound(name, self.model_name)
+        check_model_name(name, self.model_name)
 
     # ------------------------------------------------------------------ building the plan
     def encode(self, text: str, param: str = "prompt") -> list[int]:
@@ -185,6 +194,7 @@ class OpenAIServing:
         try:
             while remaining:
                 k, out = await queue.get()
+                self._raise_engine_error(out)  # ends the stream with an error event (see _sse)
                 remaining -= out.finished
                 yield k, out
         finally:
@@ -196,6 +206,14 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.best_of not in (None, 1, req.n):
             raise InvalidParam("best_of", "best_of is not supported (only best_of == n)")
+        if req.suffix is not None:
+            raise InvalidParam(
+                "suffix", "suffix (fill-in-the-middle) is not supported by Kiln: send a prompt only"
+            )
+        if req.echo and req.logprobs is not None:
+            raise InvalidParam(
+                "echo", "echo with logprobs asks for the prompt tokens' logprobs, which Kiln does not compute"
+            )
         want_lp = req.logprobs is not None
         params = req.sampling_params(
             req.max_tokens if req.max_tokens is not None else 16, want_lp, req.logprobs or 0
@@ -206,8 +224,9 @@ class OpenAIServing:
         plan = self._plan(prompts, params, req.max_tokens if req.max_tokens is not None else 16, req.rid)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        echoes = echo_prefixes(self.tokenizer, req.prompt, plan.samples) if req.echo else None
         if req.stream:
-            return self._sse(self._completion_stream(plan, base, req, want_lp))
+            return self._sse(self._completion_stream(plan, base, req, want_lp, echoes))
         results = await self._run_all(plan, raw)
         choices = self._final_choices(
             results,
@@ -216,21 +235,24 @@ class OpenAIServing:
                 "logprobs": logprobs_completion(self.tokenizer, lps) if want_lp else None,
             },
         )
+        for choice, echo in zip(choices, echoes or []):
+            choice["text"] = echo + choice["text"]
         return JSONResponse(
             {**base, "choices": choices, "usage": usage(plan.samples, [r.output for r in results])}
         )
 
-    async def _completion_stream(self, plan: FanOut, base, req, want_lp) -> AsyncIterator[str]:
+    async def _completion_stream(self, plan: FanOut, base, req, want_lp, echoes) -> AsyncIterator[str]:
         lasts = {}
         async for k, out in self._stream_all(plan):
+            text = out.text_delta if echoes is None or k in lasts else echoes[k] + out.text_delta
             lasts[k] = out
             choice = {
                 "index": k,
-                "text": out.text_delta,
+                "text": text,
                 "finish_reason": finish_name(out) if out.finished else None,
                 "logprobs": logprobs_completion(self.tokenizer, out.logprobs or []) if want_lp else None,
             }
-            if out.text_delta or out.finished or (want_lp and out.logprobs):
+            if text or out.finished or (want_lp and out.logprobs):
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
             yield sse(
@@ -238,15 +260,15 @@ class OpenAIServing:
             )
         yield "data: [DONE]\n\n"
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: ChatTools) -> list[int]:
+        msgs = template_messages(req.messages)
         size = 0
         for i, m in enumerate(msgs):
             try:
                 size += len(m["content"].encode("utf-8"))
             except UnicodeEncodeError as e:
                 raise InvalidParam(f"messages.{i}.content", f"not valid UTF-8 text: {e.reason}") from None
-        kwargs = req.chat_template_kwargs or {}
+        kwargs = tools.template_kwargs(req.chat_template_kwargs)
         try:
             if self.token_bytes is not None:
                 self._refuse_rendered_beyond_context(msgs, size, kwargs)
@@ -272,10 +294,15 @@ class OpenAIServing:
         if top and not req.logprobs:
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
         params = req.sampling_params(max_tokens or 1, req.logprobs, top)
-        plan = self._plan([self._chat_prompt(req)], params, max_tokens, req.rid)
+        params.json_schema = response_format_schema(req.response_format) or params.json_schema
+        tools = ChatTools.of(req, self.tool_call_parser, self.reasoning_parser)
+        check_constraint(params, self.grammar_backend, tools.constrain(params))
+        prompt = self._chat_prompt(req, tools)
+        plan = self._plan([prompt], params, max_tokens, req.rid)
+        readers = [tools.reader(self.tokenizer, prompt) for _ in plan.samples]
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return self._sse(self._chat_stream(plan, base, req))
+            return self._sse(self._chat_stream(plan, base, req, readers))
         results = await self._run_all(plan, raw)
         choices = self._final_choices(
             results,
@@ -284,6 +311,8 @@ class OpenAIServing:
                 "logprobs": logprobs_chat(self.tokenizer, lps) if req.logprobs else None,
             },
         )
+        for reader, choice in zip(readers, choices):
+            reader.rewrite_choice(choice)
         body = {
             **base,
             "object": "chat.completion",
@@ -292,25 +321,14 @@ class OpenAIServing:
         }
         return JSONResponse(body)
 
-    async def _chat_stream(self, plan: FanOut, base, req) -> AsyncIterator[str]:
+    async def _chat_stream(self, plan: FanOut, base, req, readers: list[ChoiceReader]) -> AsyncIterator[str]:
         base = {**base, "object": "chat.completion.chunk"}
-        states = {k: ChoiceState() for k in range(len(plan.samples))}
         lasts = {}
         async for k, out in self._stream_all(plan):
             lasts[k] = out
-            delta = {}
-            if not states[k].sent_role:
-                delta["role"] = "assistant"
-                states[k].sent_role = True
-            if out.text_delta or "role" in delta:
-                delta["content"] = out.text_delta
-            choice = {
-                "index": k,
-                "delta": delta,
-                "finish_reason": finish_name(out) if out.finished else None,
-                "logprobs": logprobs_chat(self.tokenizer, out.logprobs or []) if req.logprobs else None,
-            }
-            if delta or out.finished or (req.logprobs and out.logprobs):
+            logprobs = logprobs_chat(self.tokenizer, out.logprobs or []) if req.logprobs else None
+            finish = finish_name(out) if out.finished else None
+            for choice in readers[k].chunk_choices(k, out.text_delta, out.finished, finish, logprobs):
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
             yield sse(
@@ -325,6 +343,8 @@ class OpenAIServing:
             req.input_ids is not None and req.input_ids and isinstance(req.input_ids[0], int)
         )
         params = req.params()
+        params.validate_constraint()  # at most one of json_schema / regex / ebnf
+        check_constraint(params, self.grammar_backend)
         batch_param = ("text" if req.text is not None else "input_ids", "sampling_params.n")
         if req.text is not None:
             texts = [req.text] if isinstance(req.text, str) else req.text
@@ -332,22 +352,26 @@ class OpenAIServing:
             prompts = [self.encode(t, "text") for t in texts]
         else:
             prompts = [req.input_ids] if single else [list(p) for p in req.input_ids]
+        check_logprob_start(req.logprob_start_len, prompts)
+        shape = (
+            LogprobShape(req.top_logprobs_num, req.return_text_in_logprobs) if req.return_logprob else None
+        )
         plan = self._plan(prompts, params, params.max_new_tokens, req.rid, batch_param)
         if req.stream:
-            return self._sse(self._generate_stream(plan))
+            return self._sse(self._generate_stream(plan, shape))
         results = await self._run_all(plan, raw)
         bodies = []
         for result in results:
             self._raise_engine_error(result.output)
-            bodies.append(self._native_body(result))
+            bodies.append(self._native_body(result, shape))
         return JSONResponse(bodies[0] if single and len(bodies) == 1 else bodies)
 
-    async def _generate_stream(self, plan: FanOut) -> AsyncIterator[str]:
+    async def _generate_stream(self, plan: FanOut, shape: LogprobShape | None) -> AsyncIterator[str]:
         acc: dict[int, OutputAccumulator] = {}
         async for k, out in self._stream_all(plan):
             result = acc.setdefault(k, OutputAccumulator())
             result.add(out)
-            body = self._native_body(result)
+            body = self._native_body(result, shape)
             body["index"] = k
             yield sse(body)
         yield "data: [DONE]\n\n"
@@ -368,23 +392,9 @@ class OpenAIServing:
             )
         return choices
 
-    @staticmethod
-    def _native_body(result: OutputAccumulator) -> dict:
-        """The native /generate body of one generation, from its outputs so far."""
-        text, ids, lps, last = result.text, result.ids, result.logprobs, result.output
-        meta = {
-            "id": last.rid,
-            "finish_reason": last.finish_reason if last.finished else None,
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.completion_tokens,
-            "cached_tokens": last.cached_tokens,
-            "num_retractions": last.num_retractions,
-        }
-        if lps:
-            meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in lps]
-            if any(lp.top for lp in lps):
-                meta["output_top_logprobs"] = [[[v, t] for t, v in (lp.top or [])] for lp in lps]
-        return {"text": text, "output_ids": ids, "meta_info": meta}
+    def _native_body(self, result: OutputAccumulator, shape: LogprobShape | None) -> dict:
+        """The native /generate body of one generation, from its outputs so far (SGLang's shape)."""
+        return native_body(self.tokenizer, result, shape)
 
     @staticmethod
     def _raise_engine_error(last: ReqOutput) -> None:
@@ -392,12 +402,24 @@ class OpenAIServing:
             raise EngineRequestError(last.error)
 
     @staticmethod
-    def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(gen, media_type="text/event-stream")
+    def _sse(gen: AsyncGenerator[str, None]) -> StreamingResponse:
+        return StreamingResponse(_error_event_on_failure(gen), media_type="text/event-stream")
 
 
 class EngineRequestError(RuntimeError):
     """The engine failed this one request."""
+
+
+async def _error_event_on_failure(gen: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    """A stream whose request fails in the engine ends with an SSE error event, then [DONE], as SGLang's does."""
+    try:
+        async for chunk in gen:
+            yield chunk
+    except EngineRequestError as e:
+        yield stream_error_event(str(e))
+        yield "data: [DONE]\n\n"
+    finally:
+        await gen.aclose()  # at once, so that a client who leaves has its requests aborted at once
 
 
 def _retrieve(future: asyncio.Future) -> None:

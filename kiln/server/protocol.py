@@ -41,7 +41,9 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's name for no_stop_trim
     rid: str | None = None
+    lora_path: str | list[str | None] | None = None  # SGLang's; refused unless null (sglang_fields)
     # SGLang's router (sglang-router) sends its own defaults for SGLang fields Kiln does not implement: they are
     # accepted at those values only, and refused at any other
     return_hidden_states: Literal[False] = False
@@ -69,7 +71,7 @@ class _SamplingFields(_Strict):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
-            no_stop_trim=self.no_stop_trim,
+            no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output,
             seed=self.seed,
             n=self.n,
             logprobs=logprobs,
@@ -82,9 +84,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = False
     best_of: int | None = None
-    suffix: None = None
+    suffix: str | None = None  # refused unless null (fill-in-the-middle is not supported)
 
 
 class TextPart(_Strict):
@@ -92,10 +94,27 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """An assistant message's call as the client sends it back: arguments a JSON object's text (or the object)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -103,8 +122,40 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format's json_schema: OpenAI's fields; the schema is enforced whatever `strict` says."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -115,10 +166,15 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # the router's defaults (see _SamplingFields); with no reasoning parser, SGLang ignores the reasoning ones too
+    tools: list[Tool] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's default)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # SGLang's: with a reasoning parser, whether reasoning_content is split out, and streamed as it comes
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    # the router's default (see _SamplingFields)
     continue_final_message: Literal[False] = False
-    separate_reasoning: Literal[True] = True
-    stream_reasoning: Literal[True] = True
 
 
 class NativeSamplingParams(_Strict):
@@ -141,6 +197,25 @@ class NativeSamplingParams(_Strict):
     seed: int | None = None
     n: int = 1
     logit_bias: dict[int, float] | None = None
+    # SGLang's: sampling_seed is its name for seed; the others are refused unless at their defaults
+    sampling_seed: int | None = None
+    stop_regex: str | list[str] | None = None
+    spaces_between_special_tokens: bool = True
+    stream_interval: int | None = None
+    custom_params: dict[str, Any] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+# NativeSamplingParams' fields that SamplingParams does not take (sampling_seed is read as seed)
+NATIVE_ONLY_SAMPLING_FIELDS = {
+    "sampling_seed",
+    "stop_regex",
+    "spaces_between_special_tokens",
+    "stream_interval",
+    "custom_params",
+}
 
 
 class GenerateRequest(_Strict):
@@ -152,10 +227,35 @@ class GenerateRequest(_Strict):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    logprob_start_len: int | list[int] | None = None  # -1 (None): the output's logprobs only
+    return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    # SGLang's GenerateReqInput fields Kiln takes only at their defaults (kiln.server.sglang_fields says why)
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    lora_path: str | list[str | None] | None = None
+    custom_logit_processor: str | list[str | None] | None = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    modalities: list[str] | None = None
+    input_embeds: Any = None
+    session_id: str | None = None
+    session_params: dict[str, Any] | None = None
+    return_routed_experts: bool = False
+    return_prompt_token_ids: bool = False
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    priority: int | None = None
+    extra_key: str | list[str] | None = None
+    custom_labels: dict[str, str] | None = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    require_reasoning: bool = False
+    max_thinking_tokens: int | None = None
     # the router's defaults (see _SamplingFields); `model` names what the router routed on
     model: str | None = None
-    return_text_in_logprobs: Literal[False] = False
     return_hidden_states: Literal[False] = False
     return_bytes: Literal[False] = False
     return_entropy: Literal[False] = False
@@ -164,7 +264,9 @@ class GenerateRequest(_Strict):
     no_logs: Literal[False] = False
 
     def params(self) -> SamplingParams:
-        sp = self.sampling_params.model_dump()
+        sp = self.sampling_params.model_dump(exclude=NATIVE_ONLY_SAMPLING_FIELDS)
+        if sp["seed"] is None:
+            sp["seed"] = self.sampling_params.sampling_seed
         sp["stop"] = sp["stop"] or []
         sp["stop_token_ids"] = sp["stop_token_ids"] or []
         return SamplingParams(

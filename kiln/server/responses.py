@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kiln.scheduler.fanout import Sample
 from kiln.scheduler.io import ReqOutput, TokenLogprob
+from kiln.server.protocol import error_body
+from kiln.server.token_bytes import token_bytes_for
+
+logger = logging.getLogger("kiln")
 
 
 class ModelNotFound(Exception):
@@ -91,9 +98,10 @@ def logprobs_completion(tokenizer, lps: list[TokenLogprob]) -> dict:
 
 
 def logprobs_chat(tokenizer, lps: list[TokenLogprob]) -> dict:
+    token_bytes = token_bytes_for(tokenizer)
+
     def entry(token_id: int, logprob: float) -> dict:
-        piece = _piece(tokenizer, token_id)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+        return {"token": _piece(tokenizer, token_id), "logprob": logprob, "bytes": token_bytes(token_id)}
 
     return {
         "content": [
@@ -101,3 +109,25 @@ def logprobs_chat(tokenizer, lps: list[TokenLogprob]) -> dict:
             for lp in lps
         ]
     }
+
+
+def stream_error_event(error: str) -> str:
+    """The SSE event that ends a stream whose request failed in the engine: `data: {"error": {...}}`, which the
+    OpenAI SDK's stream raises as an APIError (a stream that merely ended with finish_reason "abort" would read
+    as a complete answer). The engine's own words go to the log under an error id, never to the client."""
+    eid = uuid.uuid4().hex[:12]
+    logger.error(f"request failed in the engine during its stream (error id {eid}): {error}")
+    message = f"internal error while processing the request (error id {eid})"
+    return f"data: {json.dumps(error_body(message, None, 'internal_error', 500))}\n\n"
+
+
+def echo_prefixes(tokenizer, prompt: str | list, samples: Sequence[Sample]) -> list[str]:
+    """/v1/completions' echo: each sample's prompt text, to go before its completion; a prompt given as token
+    ids is decoded as SGLang decodes it (special tokens skipped)."""
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        texts = [tokenizer.decode(prompt, skip_special_tokens=True)]
+    else:
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in prompt]
+    return [texts[sample.index] for sample in samples]
