@@ -8,7 +8,7 @@
 2. Restart: a long prefix prefilled cold, the engine shut down, a new engine started on the same storage
    directory; the time to first token of the same prompt served from the file storage tier against the cold one.
 
-    python benchmarks/bench_hicache.py [--conversations 6] [--turns 4] [--pool-tokens 2048]
+    python benchmarks/bench_hicache.py [--conversations 6] [--turns 6] [--pool-tokens 1024]
                                        [--prefix-tokens 2000] [--threads N] [--json out.json]
 """
 
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--pool-tokens", type=int, default=2048)
+    p.add_argument("--pool-tokens", type=int, default=1024)
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
