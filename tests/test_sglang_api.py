@@ -288,7 +288,16 @@ def test_tokenize_and_detokenize(server):
 
 @pytest.mark.slow
 def test_health_generate_model_info_and_server_info(server, model):
+    def counters() -> dict:
+        return httpx.get(server.url + "/get_server_info", timeout=30).json()["stats"]
+
+    before = counters()
     assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+    after = counters()  # the probe is no client's request: SGLang leaves it out of the counters too
+    assert (after["prompt_tokens"], after["generation_tokens"]) == (
+        before["prompt_tokens"],
+        before["generation_tokens"],
+    )
     info = httpx.get(server.url + "/model_info", timeout=30).json()
     assert info["model_path"] == model and info["is_generation"] is True
     assert {"tokenizer_path", "served_model_name", "weight_version", "architectures"} <= set(info)

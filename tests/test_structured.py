@@ -113,13 +113,39 @@ def test_mask_leaves_padding_ids_out(default_model):
     spec = GrammarSpec("regex", "[0-9]+")
     matcher = cache.submit(spec).result(timeout=60)
     cache.submit(spec).result(timeout=60)
-    assert (cache.counters.hits, cache.counters.misses, len(cache.counters.compile_seconds)) == (1, 1, 1)
+    assert (cache.counters.hits, cache.counters.misses, cache.counters.compiles) == (1, 1, 1)
     width = len(tokenizer) + 64  # a model whose logits are wider than its tokenizer
     mask = matcher.allowed(width)
     allowed = mask.nonzero().flatten().tolist()
     assert not mask[len(tokenizer) :].any() and allowed
     assert all(tokenizer.decode([t]).isdigit() for t in allowed)
     assert matcher.accept(allowed[0]) and matcher.is_accepting
+    cache.close()
+
+
+def test_the_compile_cache_is_bounded_and_its_histogram_counts(default_model, monkeypatch):
+    """A server fed ever new schemas keeps at most MAX_CACHED_GRAMMARS compiled (least recently used dropped); the
+    histogram's counts are kept as they come, not recomputed per snapshot."""
+    import kiln.structured.cache as grammar_cache
+    from kiln.structured.backend import make_backend
+    from kiln.text.tokenizer import load_tokenizer
+
+    monkeypatch.setattr(grammar_cache, "MAX_CACHED_GRAMMARS", 2)
+    tokenizer = load_tokenizer(default_model)
+    cache = grammar_cache.GrammarCache(make_backend("llguidance", tokenizer, [tokenizer.eos_token_id]))
+    specs = [GrammarSpec("regex", f"[0-9]{{{n}}}") for n in (1, 2, 3)]
+    for spec in (
+        specs[0],
+        specs[1],
+        specs[0],
+        specs[2],
+        specs[1],
+    ):  # specs[1] was the least recent at specs[2]
+        cache.submit(spec).result(timeout=60)
+    counters = cache.counters
+    assert (counters.hits, counters.misses, counters.compiles) == (1, 4, 4)
+    buckets = counters.buckets()
+    assert buckets[-1] == 4 and list(buckets) == sorted(buckets) and counters.compile_seconds_sum > 0
     cache.close()
 
 

@@ -18,6 +18,9 @@ class GenerateReq:
     params: SamplingParams
     stream: bool = False
     deadline: float | None = None  # time.time() after which the request is aborted
+    log_metrics: bool = (
+        True  # False: a probe (/health_generate), left out of the token counters as SGLang does
+    )
 
 
 @dataclass

@@ -22,6 +22,7 @@ class Req:
         generator: torch.Generator | None,
         stream: bool = False,
         deadline: float | None = None,
+        log_metrics: bool = True,
     ):
         self.rid = rid
         self.input_ids = input_ids
@@ -30,6 +31,7 @@ class Req:
         self.generator = generator
         self.stream = stream
         self.deadline = deadline
+        self.log_metrics = log_metrics
         self.output_ids: list[int] = []
         # KV bookkeeping: slots of tokens [0, kv_len) are in the request's table row; the first cached_len of
         # them belong to the prefix cache (locked through `node`), the rest are the request's own.

@@ -141,7 +141,7 @@ class Scheduler:
                 p.seed if p.seed is not None else self.seed_rng.getrandbits(63)
             )
         detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim)
-        req = Req(msg.rid, list(msg.input_ids), p, detok, gen, msg.stream, msg.deadline)
+        req = Req(msg.rid, list(msg.input_ids), p, detok, gen, msg.stream, msg.deadline, msg.log_metrics)
         spec = spec_of(p)
         if spec is not None and self.grammars is None:
             message = f"{spec.kind}: constrained decoding is off on this server (--grammar-backend none)"
@@ -153,7 +153,8 @@ class Scheduler:
             self.grammar_queue.append(req)
         else:
             self.waiting.append(req)
-        self.counters.prompt_tokens += len(req.input_ids)
+        if req.log_metrics:
+            self.counters.prompt_tokens += len(req.input_ids)
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar compiled join the waiting queue; a refused one fails alone. With several
@@ -398,7 +399,7 @@ class Scheduler:
         for i, r in enumerate(reqs):
             self.out.append_token(r, next_ids[i], result.logprobs[i], result.top_logprobs[i])
             self.out.follow_grammar(r, next_ids[i])
-            self.counters.generation_tokens += 1
+            self.counters.generation_tokens += r.log_metrics
             if r.finished:
                 self.running.remove(r)
                 self._finish(r)
@@ -421,7 +422,8 @@ class Scheduler:
 
     def _emit(self, req: Req) -> None:
         self.reqs.pop(req.rid, None)
-        self.counters.cached_tokens += req.cached_tokens
+        if req.log_metrics:
+            self.counters.cached_tokens += req.cached_tokens
         self.outbox.append(self.out.flush_output(req))
 
     def fail_all(self, error: str) -> None:
@@ -507,7 +509,7 @@ class Scheduler:
             "grammar_cache_hits": counters.hits,
             "grammar_cache_misses": counters.misses,
             "grammar_compile_buckets": counters.buckets(),
-            "grammar_compile_seconds_sum": sum(counters.compile_seconds),
+            "grammar_compile_seconds_sum": counters.compile_seconds_sum,
         }
 
     def check_integrity(self) -> dict:

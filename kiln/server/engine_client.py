@@ -79,14 +79,15 @@ class EngineClient:
         observe: bool = True,
     ) -> AsyncIterator[ReqOutput]:
         """Yields the request's outputs until it finishes; aborts it if the consumer stops early. `observe`
-        False keeps it out of the front's latency metrics (a health probe is no client's request)."""
+        False keeps it out of the front's latency metrics and the engine's token counters (a health probe is no
+        client's request)."""
         rid = rid or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
         finished = False
         start, first, prev = time.time(), None, None
         try:
-            self._send.send_pyobj(GenerateReq(rid, input_ids, params, stream, deadline))
+            self._send.send_pyobj(GenerateReq(rid, input_ids, params, stream, deadline, log_metrics=observe))
             while True:
                 out: ReqOutput = await q.get()
                 finished = out.finished

@@ -86,7 +86,10 @@ class Launcher:
                 continue
             match msg:
                 case StartupFailed(reason=reason, rank=rank):
-                    self.die(self.ranks.name(rank) + reason, hint=_hint(reason))
+                    if await loop.run_in_executor(None, self.ranks.crashed_peer, rank):
+                        self.engine_exited()  # its collective failed because that peer died: blame the peer
+                    else:
+                        self.die(self.ranks.name(rank) + reason, hint=_hint(reason))
                     return None
                 case EngineReady(info=info):
                     return info

@@ -18,6 +18,9 @@ from kiln.server.startup import PHASES, StartupState
 
 logger = logging.getLogger("kiln")
 
+# seconds the front waits, on a rank's startup failure, for a peer whose crash caused it to be seen dead
+PEER_DEATH_WAIT = 3.0
+
 
 class RankProcesses:
     """This node's engine processes, one per tensor-parallel rank, and what each reported: its phase, when it last
@@ -90,10 +93,26 @@ class RankProcesses:
     def dead(self) -> bool:
         return any(not p.is_alive() for p in self.procs.values())
 
+    def crashed_peer(self, reporter: int, wait: float = PEER_DEATH_WAIT) -> bool:
+        """Whether a rank other than `reporter` died of its own failure (within `wait` seconds): a rank whose
+        startup failed in a collective reports first, but the peer that crashed is the one to blame."""
+        deadline = time.time() + (wait if self.args.tp_size > 1 else 0)
+        while True:
+            if any(self._crashed(r) for r in self.procs if r != reporter):
+                return True
+            if time.time() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def _crashed(self, rank: int) -> bool:
+        code = self.procs[rank].exitcode
+        return code is not None and code not in (0, PEER_FAILED_EXIT)
+
     def first_dead(self) -> tuple[int, int | None]:
-        """The dead rank to blame: one that did not end because a peer failed, else the lowest."""
+        """The dead rank to blame: one that crashed itself (not ended because a peer failed, nor returned after
+        reporting a startup failure), else the lowest."""
         dead = [(r, p.exitcode) for r, p in self.procs.items() if not p.is_alive()]
-        own = [(r, code) for r, code in dead if code != PEER_FAILED_EXIT]
+        own = [(r, code) for r, code in dead if self._crashed(r)]
         return (own or dead or [(self.local[0], None)])[0]
 
     def phase_of(self, rank: int, default: str) -> str:
