@@ -57,23 +57,6 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ tree shape
 
-    def _split(self, child: TreeNode, at: int) -> TreeNode:
-        value, host_value = child.value, child.host_value
-        upper = TreeNode(child.key[:at], None if value is None else value[:at], child.parent)
-        upper.host_value = None if host_value is None else host_value[:at]
-        upper.lock_ref, upper.last_access_time, upper.hit_count = (
-            child.lock_ref, child.last_access_time, child.hit_count
-        )  # fmt: skip
-        child.key = child.key[at:]
-        child.value = None if value is None else value[at:]
-        child.host_value = None if host_value is None else host_value[at:]
-        upper.children[self._page_key(child.key)] = child
-        assert child.parent is not None
-        child.parent.children[self._page_key(upper.key)] = upper
-        child.parent = upper
-        self._num_nodes += 1
-        return upper
-
     def _drop_host_subtree(self, node: TreeNode) -> None:
         """Remove a host-only node and its descendants (all host-only), freeing their host slots."""
         assert node.value is None and node.parent is not None

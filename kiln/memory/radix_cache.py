@@ -96,11 +96,17 @@ class RadixCache(PrefixCache):
         heapq.heapify(self._heap)
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
-        """Cut ``child`` after ``at`` tokens (page-aligned); returns the new upper node."""
-        upper = TreeNode(child.key[:at], child.value[:at], child.parent)
-        upper.lock_ref = child.lock_ref
-        upper.last_access_time = child.last_access_time
-        child.key, child.value = child.key[at:], child.value[at:]
+        """Cut ``child`` after ``at`` tokens (page-aligned); returns the new upper node. Either tier's slots (a
+        host-only node has no device value, a one-tier tree no host value) are cut alike."""
+        value, host_value = child.value, child.host_value
+        upper = TreeNode(child.key[:at], None if value is None else value[:at], child.parent)
+        upper.host_value = None if host_value is None else host_value[:at]
+        upper.lock_ref, upper.last_access_time, upper.hit_count = (
+            child.lock_ref, child.last_access_time, child.hit_count
+        )  # fmt: skip
+        child.key = child.key[at:]
+        child.value = None if value is None else value[at:]
+        child.host_value = None if host_value is None else host_value[at:]
         upper.children[self._page_key(child.key)] = child
         assert child.parent is not None
         child.parent.children[self._page_key(upper.key)] = upper
