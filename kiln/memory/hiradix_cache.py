@@ -143,38 +143,23 @@ class HiRadixCache(RadixCache):
         return True
 
     def insert(self, key: list[int], indices: torch.Tensor) -> int:
-        """As RadixCache.insert; a host-only node on the way is dropped (the caller holds the same KV freshly
-        computed on the device), and new nodes are backed up at once under write_through."""
-        end = len(key) // self.page_size * self.page_size
-        node, pos = self.root_node, 0
-        while pos < end:
-            child = node.children.get(self._page_key(key, pos))
-            if child is None:
-                break
-            if child.value is None:
-                self._drop_host_subtree(child)
-                break
-            m = self._common_len(child.key, key, pos)
-            pos += m
-            node = child
-            if m < len(child.key):
-                break
+        """As RadixCache.insert, then the sequence's whole blocks to the storage tier."""
         already = super().insert(key, indices)
-        if self.write_policy == "write_through" and already < end:
-            self._backup_path(key[:end])
         if self.storage is not None:
+            end = len(key) // self.page_size * self.page_size
             self.storage.write(key[:end], indices[:end])
         return already
 
-    def _backup_path(self, key: list[int]) -> None:
-        node, pos = self.root_node, 0
-        while pos < len(key):
-            child = node.children.get(self._page_key(key, pos))
-            if child is None:
-                return
-            self._backup(child)
-            pos += len(child.key)
-            node = child
+    def _insert_into(self, node: TreeNode, key: list[int], pos: int) -> TreeNode | None:
+        child = super()._insert_into(node, key, pos)
+        if child is not None and child.value is None:  # the caller's fresh KV replaces the host copy
+            self._drop_host_subtree(child)
+            return None
+        return child
+
+    def _inserted(self, leaf: TreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._backup(leaf)
 
     def _backup(self, node: TreeNode) -> bool:
         """Copy a device-resident node to the host tier unless it is there already; False when the host has no

@@ -174,13 +174,14 @@ class RadixCache(PrefixCache):
         now = next(self._clock)
         node, pos = self.root_node, 0
         while pos < end:
-            child = node.children.get(self._page_key(key, pos))
+            child = self._insert_into(node, key, pos)
             if child is None:
                 leaf = TreeNode(list(key[pos:]), indices[pos:end].to(self.device, torch.int64).clone(), node)
                 node.children[self._page_key(leaf.key)] = leaf
                 self._num_nodes += 1
                 self._evictable += end - pos
                 self._touch(leaf, now)
+                self._inserted(leaf)
                 return pos
             m = self._common_len(child.key, key, pos)
             if m < len(child.key):
@@ -189,6 +190,14 @@ class RadixCache(PrefixCache):
             node = child
             self._touch(node, now)
         return pos
+
+    def _insert_into(self, node: TreeNode, key: list[int], pos: int) -> TreeNode | None:
+        """The child of `node` an insert of key[pos:] continues in; None: a new leaf goes there. (The two-tier
+        cache drops a host-only child here: the caller holds the same KV freshly computed.)"""
+        return node.children.get(self._page_key(key, pos))
+
+    def _inserted(self, leaf: TreeNode) -> None:
+        """A new leaf has been cached (the two-tier cache backs it up under write_through)."""
 
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least recently used first, until ``num_tokens`` are freed or none is left."""
