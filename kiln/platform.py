@@ -111,10 +111,14 @@ def available_gb(device: str) -> float:
     return available_memory_bytes(device) / GIB
 
 
-# --cpu-gemm's values. "auto" and "kiln" keep a GGUF's Q4_1 / Q8_0 matrices in their blocks; "f32" dequantizes
-# them for the same kernel; "onednn" keeps Kiln's CPU kernels out (nothing is built).
-CPU_GEMM_MODES = ("auto", "kiln", "f32", "onednn")
-_GGUF_BLOCK_MODES = ("auto", "kiln")
+# --cpu-gemm's values. "auto" and "kiln" keep a GGUF's quantized matrices in their blocks and multiply them with
+# integer arithmetic (activations rounded to int8, as llama.cpp does); "exact" keeps Q4_1 / Q8_0 blocks but
+# multiplies in float32, equal to the dequantized weights' float32 product; "f32" dequantizes every matrix for the
+# float32 kernel; "onednn" keeps Kiln's CPU kernels out (nothing is built).
+CPU_GEMM_MODES = ("auto", "exact", "kiln", "f32", "onednn")
+INTEGER_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the integer kernels' GGUF types
+EXACT_GGUF_TYPES = ("Q4_1", "Q8_0")  # the float32 kernel's: it dequantizes them exactly as gguf does
+_GGUF_BLOCK_TYPES = {"auto": INTEGER_GGUF_TYPES, "kiln": INTEGER_GGUF_TYPES, "exact": EXACT_GGUF_TYPES}
 _KILN_KERNEL_CAPABILITIES = ("AVX2", "AVX512")
 
 
@@ -143,10 +147,26 @@ def check_cpu_gemm(mode: str) -> str:
     return mode
 
 
+def gguf_block_types(mode: str) -> tuple[str, ...]:
+    """The GGUF types whose matrices Kiln's CPU kernels keep in their blocks here under --cpu-gemm `mode`
+    (none without AVX2); asked before loading, so it builds no kernel."""
+    types = _GGUF_BLOCK_TYPES.get(check_cpu_gemm(mode), ())
+    return types if cpu_runs_kiln_kernel() else ()
+
+
 def gguf_blocks_expected(mode: str) -> bool:
-    """Whether Kiln's CPU kernel will keep GGUF Q4_1 / Q8_0 matrices in their blocks here under --cpu-gemm `mode`
-    (auto or kiln, on a CPU with AVX2); asked before loading, so it does not build the kernel."""
-    return check_cpu_gemm(mode) in _GGUF_BLOCK_MODES and cpu_runs_kiln_kernel()
+    """Whether Kiln's CPU kernels will keep any GGUF matrix in its blocks here under --cpu-gemm `mode`."""
+    return bool(gguf_block_types(mode))
+
+
+def int8_kernels(mode: str) -> bool:
+    """Whether --quantization int8 rounds weights at load here under --cpu-gemm `mode` (Kiln's kernels, AVX2)."""
+    return check_cpu_gemm(mode) != "onednn" and cpu_runs_kiln_kernel()
+
+
+def integer_compute(mode: str) -> bool:
+    """Whether --cpu-gemm `mode` multiplies quantized weights with integer arithmetic (auto, kiln)."""
+    return check_cpu_gemm(mode) in ("auto", "kiln")
 
 
 _UNITS = {

@@ -1,5 +1,7 @@
 """`kiln wait URL`: follow a starting server's phases with a progress bar; exit 0 when ready, 1 with the failed
-phase and reason, 2 on timeout. The replacement for polling logs for "fired up"."""
+phase and reason, 2 on timeout. The replacement for polling logs for "fired up". A kernel build (building_kernels)
+shows what is compiling, whether it is a first build, the seconds elapsed and how long the last build took: a
+compiler reports no progress of its own."""
 
 from __future__ import annotations
 
@@ -45,9 +47,7 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
                 return 1
             if phase in PHASES:
                 bar.n = PHASES.index(phase)
-            progress = status.get("progress") or {}
-            detail = ", ".join(f"{k}={v}" for k, v in progress.items())
-            bar.set_description(f"{phase}" + (f" ({detail})" if detail else ""))
+            bar.set_description(describe(phase, status.get("progress") or {}))
             bar.refresh()
             if phase != last_phase:
                 last_phase = phase
@@ -62,6 +62,26 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
         client.close()
     print(f"kiln wait: {url} not ready after {timeout:.0f} s (last phase: {last_phase})", file=sys.stderr)
     return 2
+
+
+def describe(phase: str, progress: dict) -> str:
+    """The bar's text for a phase and its latest progress report."""
+    if phase == "building_kernels":
+        return phase + _kernel_detail(progress)
+    detail = ", ".join(f"{k}={v}" for k, v in progress.items())
+    return phase + (f" ({detail})" if detail else "")
+
+
+def _kernel_detail(progress: dict) -> str:
+    """A kernel build's progress in words: the extension, first build or cached, seconds so far, the last build's
+    duration; before the first tick, the extensions the phase loads."""
+    if "kernel" in progress:
+        first, last = progress.get("first_build"), progress.get("last_build_s")
+        state = "first build" if first else "cached"
+        expected = f", the last build took {last:.0f} s" if first and last else ""
+        return f" ({progress['kernel']}: {state}, {progress.get('elapsed_s', 0)} s{expected})"
+    names = [k if isinstance(k, str) else k.get("name", "?") for k in progress.get("kernels") or []]
+    return f" ({', '.join(names)})" if names else ""
 
 
 def register(subparsers) -> None:

@@ -158,11 +158,11 @@ def model(client) -> str:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The default model served with a small pool; shared by the HTTP tests."""
+    """The default model served with a small pool; shared by the HTTP tests. Its GGUF blocks multiply in float32
+    (--cpu-gemm exact): test_server_correctness holds its greedy output equal to transformers' on the file."""
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    srv = ServerProcess(
-        ["--max-total-tokens", "16384", "--max-running-requests", "32", "--chunked-prefill-size", "512"], log
-    )
+    flags = ["--max-total-tokens", "16384", "--max-running-requests", "32", "--chunked-prefill-size", "512"]
+    srv = ServerProcess([*flags, "--cpu-gemm", "exact"], log)
     try:
         srv.wait_ready()
         yield srv

@@ -35,7 +35,8 @@ RETRACT_N = 8
 # One torch thread: on a shared 2-core machine, 2 threads spin against other processes and small ops get
 # 5-15x slower; the comparison does not depend on the thread count.
 THREADS = 1
-BASE_ARGS = dict(max_total_tokens=8192, max_running_requests=32, num_threads=THREADS)
+# exact: GGUF blocks multiplied in float32, so the default model stays comparable with transformers token for token
+BASE_ARGS = dict(max_total_tokens=8192, max_running_requests=32, num_threads=THREADS, cpu_gemm="exact")
 
 TEXT = """\
 The river town woke slowly in the autumn fog. Fishermen dragged their boats over the wet stones while the

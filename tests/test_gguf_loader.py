@@ -328,10 +328,27 @@ def test_k_quant_layout(qtype: Q, tmp_path: Path) -> None:
     _write_gguf(path, weights, "llama", encode)
     got = dict(iter_gguf_tensors(str(path)))
     assert set(got) == set(weights) and "lm_head.weight" not in got
+    kept = qtype in (Q.Q4_K, Q.Q6_K)  # the K-quants Kiln's integer kernels multiply in their blocks
     for name, blocks in stored.items():
         in_file = gguf.quants.dequantize(blocks, qtype)  # GGUF row order
         assert np.isfinite(in_file).all() and in_file.shape == weights[name].shape
         assert np.array_equal(_stored(name, got[name].numpy(), "llama"), in_file), name
+        rows = getattr(got[name], "gguf_rows", None)
+        assert (rows is not None) == kept, name
+        if kept and not any(f".{p}_proj." in name for p in "qk"):  # q / k rows are unpermuted, blocks and all
+            assert rows.qtype == qtype.name and np.array_equal(rows.rows.numpy(), blocks), name
+    summary = read_gguf_config(str(path))["kiln_gguf"]
+    linear_params = LAYERS * (
+        HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * FFN
+    )
+    assert summary["linear_types"] == {
+        qtype.name: [linear_params, LAYERS * ((HEADS + 2 * KV_HEADS) * HEAD_DIM + HIDDEN + 2 * FFN + HIDDEN)]
+    }
+    if kept:
+        embed = VOCAB * HIDDEN // 256 * gguf.GGML_QUANT_SIZES[qtype][1]
+        assert summary["block_types"] == {
+            qtype.name: [linear_params, linear_params // 256 * gguf.GGML_QUANT_SIZES[qtype][1], embed]
+        }
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

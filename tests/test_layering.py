@@ -28,6 +28,7 @@ LAYERS = [
     "config",
     "memory",
     "runner",
+    "speculative",
     "scheduler",
     "engine",
     "server",

@@ -151,7 +151,7 @@ def test_hicache_refusal_names_system_ram_and_flags(capsys, model_dir):
         ["--device", "tpu"],
         ["--device", "cpu", "--chunked-prefill-size", "0"],
         ["--device", "cpu", "--mem-fraction-static", "1"],
-        ["--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"],
+        ["--device", "cpu", "--kv-cache-dtype", "nvfp4"],
     ],
 )
 def test_unusable_arguments_exit_2(capsys, model_dir, argv):

@@ -87,7 +87,6 @@ def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flag
         fixed = serve_args(argv + flags_argv(fix.flags))  # the later flag wins, as on a command line
         assert fixed.serve_refusal() is None
         assert compute_ledger(LedgerInputs.from_args(fixed, inputs.hf_config)).fits, fix.text
-        assert "fp8" not in fix.text  # not a --kv-cache-dtype serve takes yet
     rc, data = plan_json(capsys, argv)
     assert rc == 1 and data["failure"]["fix_flags"] == fixes[0].flags
     assert data["failure"]["fix"] == "use " + ", or ".join(fix.text for fix in fixes)
@@ -95,7 +94,8 @@ def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flag
 
 def test_serve_accepts_only_what_serve_runs():
     assert serve_accepts({"--mem-fraction-static": "0.8"}) and serve_accepts({"--disable-cuda-graph": ""})
-    assert not serve_accepts({"--kv-cache-dtype": "fp8_e4m3"})  # not a --kv-cache-dtype choice yet
+    assert serve_accepts({"--kv-cache-dtype": "fp8_e4m3"})
+    assert not serve_accepts({"--kv-cache-dtype": "nvfp4"})  # SGLang's, not a Kiln KV dtype
     assert serve_accepts({"--tp-size": "2"})
     assert not serve_accepts({"--tp-size": "0"})
     assert not serve_accepts({"--mem-fraction-static": "1"})

@@ -1,6 +1,7 @@
-"""GGUF Q4_1 / Q8_0 matrices kept in their blocks at load: the rows the weight loaders copy are the rows whose
-blocks are kept (shards, merged projections, block-aligned column splits), and the default model served from its
-blocks computes exactly what it computes from the dequantized float32 weights."""
+"""GGUF matrices kept in their blocks at load: the rows the weight loaders copy are the rows whose blocks are kept
+(shards, merged projections, columns aligned to the type's block), and the default model served from its blocks
+under `--cpu-gemm exact` computes exactly what it computes from the dequantized float32 weights, while the default
+mode multiplies the same blocks with the integer kernels (their accuracy: tests/test_int_quant_accuracy.py)."""
 
 from __future__ import annotations
 
@@ -74,12 +75,26 @@ def cpu_gemm_restored():
     cpu_gemm.set_cpu_gemm("auto")
 
 
+def test_k_quant_columns_are_kept_on_super_block_bounds():
+    """A row-parallel shard of a K-quant matrix keeps its blocks only where it starts on a 256-wide super-block."""
+    rows = torch.from_numpy(np.random.default_rng(4).integers(0, 256, (16, 2 * 144), dtype=np.uint8))
+    full = torch.zeros(16, 512)
+    full.gguf_rows = GGUFRows("Q4_K", rows)
+    half = torch.nn.Parameter(torch.empty(16, 256), requires_grad=False)
+    keep_rows(half, full, 0, 0, 16, k_start=256, k_len=256)
+    assert torch.equal(pop_rows(half).rows, rows[:, 144:])
+    quarter = torch.nn.Parameter(torch.empty(16, 128), requires_grad=False)
+    keep_rows(quarter, full, 0, 0, 16, k_start=128, k_len=128)  # 32-aligned, but inside a super-block
+    assert pop_rows(quarter) is None
+
+
 @pytest.mark.skipif(not gguf_blocks_expected("auto"), reason="Kiln's quantized kernel needs AVX2")
 def test_default_model_from_its_blocks_equals_float32_bit_for_bit(default_model, cpu_gemm_restored):
-    """Every projection and the tied head run from the GGUF's Q4_1 / Q8_0 blocks, and give the float32 kernel's
-    outputs bit for bit on the dequantized weights; greedy outputs are the same tokens."""
-    blocks = kiln.Engine(model_path=default_model, max_total_tokens=4096, max_running_requests=4)
-    f32 = kiln.Engine(model_path=default_model, max_total_tokens=4096, max_running_requests=4, cpu_gemm="f32")
+    """Under --cpu-gemm exact every projection and the tied head run from the GGUF's Q4_1 / Q8_0 blocks, and give
+    the float32 kernel's outputs bit for bit on the dequantized weights; greedy outputs are the same tokens."""
+    args = dict(max_total_tokens=4096, max_running_requests=4)
+    blocks = kiln.Engine(model_path=default_model, cpu_gemm="exact", **args)
+    f32 = kiln.Engine(model_path=default_model, cpu_gemm="f32", **args)
     qm, fm = blocks.scheduler.runner.model, f32.scheduler.runner.model
     assert qm.lm_head.packed_weight.dtype == torch.uint8 and fm.lm_head.packed_weight.dtype == torch.float32
     f_modules = dict(fm.named_modules())
@@ -102,3 +117,22 @@ def test_default_model_from_its_blocks_equals_float32_bit_for_bit(default_model,
         f32.generate(prompt=prompts, sampling_params=params),
     )
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    blocks.shutdown()
+    f32.shutdown()
+
+
+@pytest.mark.skipif(not gguf_blocks_expected("auto"), reason="Kiln's quantized kernel needs AVX2")
+def test_default_model_multiplies_its_blocks_in_integers_by_default(default_model, cpu_gemm_restored):
+    """The default mode packs every projection and the tied head for the integer kernels (uint8 [N / 16, bytes
+    per 16 rows]), and the model still knows its capital."""
+    engine = kiln.Engine(model_path=default_model, max_total_tokens=4096, max_running_requests=4)
+    model = engine.scheduler.runner.model
+    packed = [m.packed_weight if getattr(m, "packed_weight", None) is not None else m.weight
+              for m in model.modules() if getattr(m, "packed", False)]  # fmt: skip
+    assert len(packed) == 4 * 30 + 1
+    assert all(w.dtype == torch.uint8 and w.dim() == 2 for w in packed)
+    out = engine.generate(
+        prompt="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0}
+    )
+    assert "Paris" in out["text"]
+    engine.shutdown()

@@ -182,9 +182,9 @@ def test_sglang_values_kiln_does_not_take_keep_the_default_and_are_reported(pars
         logging.WARNING,
         "SGLang flag --schedule-policy priority: Kiln schedules fcfs or lpm only: it schedules fcfs",
     )
-    # a quantized KV cache would change the memory plan: refused rather than served in the model's dtype
+    # a KV dtype Kiln cannot store (FP4) would change the memory plan: refused rather than served in another
     with pytest.raises(argparse.ArgumentError):
-        parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"])
+        parser.parse_args(["--kv-cache-dtype", "nvfp4"])
 
 
 def test_docs_table_is_the_generated_one():

@@ -20,10 +20,23 @@ import psutil
 import pytest
 from conftest import ServerProcess
 
+from kiln.layers.kernel_builds import kernels_for
+
 pytestmark = pytest.mark.slow
 
 SMALL = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--chunked-prefill-size", "512"]
-ORDER = ["launching", "loading_weights", "allocating_kv", "capturing", "warming_up", "ready"]
+ORDER = [
+    "launching",
+    "building_kernels",
+    "loading_weights",
+    "allocating_kv",
+    "capturing",
+    "capture_draft",
+    "warming_up",
+    "ready",
+]
+# the extensions a default CPU start loads (none without AVX2)
+KERNELS = [k.name for k in kernels_for("auto")]
 BOOT_S = 240.0  # the most any server here may take to become ready or to fail
 REFUSE = ["--device-memory", "1GiB", "--max-total-tokens", "10000000"]
 
@@ -186,8 +199,10 @@ def test_phases_in_order_through_status(boot):
 def test_phases_in_order_in_events_file(boot):
     recs = events(boot["ok"].events)
     phases = [r["phase"] for r in recs if r["event"] == "phase"]
+    building = ["building_kernels"] if KERNELS else []
     assert [p for p in phases if p != "capturing"] == [
         "launching",
+        *building,
         "loading_weights",
         "allocating_kv",
         "warming_up",
@@ -198,6 +213,22 @@ def test_phases_in_order_in_events_file(boot):
     assert times == sorted(times)
     assert all(r["phase"] in ORDER for r in recs if r["event"] == "progress")
     assert not [r for r in recs if r["event"] == "failed"]
+
+
+@pytest.mark.skipif(not KERNELS, reason="no Kiln kernel on this CPU")
+def test_kernel_loads_are_their_own_phase_in_status_and_log(boot):
+    """Whether first or cached (the test machine's cache decides), the phase names what it loads and /status and
+    the log say what each load took."""
+    w = boot["ok"]
+    [entered] = [r for r in events(w.events) if r["event"] == "phase" and r["phase"] == "building_kernels"]
+    assert entered["kernels"] == KERNELS and isinstance(entered["first_build"], bool), entered
+    status = httpx.get(f"{w.srv.url}/status", timeout=10).json()
+    assert [k["name"] for k in status["kernels"]] == KERNELS, status["kernels"]
+    assert all(k["loaded"] and k["first_build"] == k["built"] for k in status["kernels"]), status["kernels"]
+    assert "building_kernels" in status["timings"]
+    log = w.srv.log_text()
+    for name in KERNELS:
+        assert f"Kernel {name}: " in log and f"Kernel {name} " in log, log[-3000:]
 
 
 def test_probes_503_with_phase_until_warmed_up(boot):

@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fib(n):"]
 LONG_PROMPT = " ".join(f"item {i}," for i in range(40))  # several chunks of --chunked-prefill-size 16
+# exact: tp 2 must give tp 1's tokens, which float32 arithmetic keeps; with activations rounded to int8 (the GGUF
+# default, auto) the all-reduce's last-bit differences can move a value across a rounding step
 COMMON = ["--device", "cpu", "--max-total-tokens", "4096", "--chunked-prefill-size", "16"]
+COMMON += ["--cpu-gemm", "exact"]
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 SAMPLED = {"max_new_tokens": 8, "temperature": 0.8, "seed": 7, "n": 2}
 
@@ -58,7 +61,9 @@ def reference(model: str) -> dict[str, object]:
     """What one rank gives (the in-process engine with the same flags)."""
     import kiln
 
-    eng = kiln.Engine(model_path=model, device="cpu", max_total_tokens=4096, chunked_prefill_size=16)
+    eng = kiln.Engine(
+        model_path=model, device="cpu", max_total_tokens=4096, chunked_prefill_size=16, cpu_gemm="exact"
+    )
     try:
         return {
             "alone": ids(eng.generate(PROMPTS[0], GREEDY)),

@@ -161,6 +161,13 @@ def format_result(m: dict, backend: str = "", request_rate: float = math.inf, ma
         _row("Concurrency:", m["concurrency"]),
         _row("Prefix cache hit rate:", None if hit is None else f"{hit:.2%}"),
     ]
+    if (
+        m.get("accept_length") is not None
+    ):  # the server decodes speculatively: SGLang's line after Concurrency
+        lines.insert(
+            lines.index(_row("Concurrency:", m["concurrency"])) + 1,
+            _row("Accept length:", m["accept_length"]),
+        )
     sections = (
         ("End-to-End Latency", "e2e_latency", "E2E Latency"),
         ("Time to First Token", "ttft", "TTFT"),

@@ -198,6 +198,17 @@ def server_tokenizer(base_url: str) -> str | None:
     return None
 
 
+def server_accept_length(base_url: str) -> float | None:
+    """The server's mean speculative accept length, where it reports one (SGLang's /server_info
+    internal_states[0].avg_spec_accept_length, as SGLang's bench_serving reads it); None otherwise."""
+    try:
+        info = httpx.get(f"{base_url}/server_info", timeout=10).json()
+        value = info["internal_states"][0].get("avg_spec_accept_length")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) else None
+
+
 def default_output_file(args: Any) -> str:
     """SGLang's default name for the JSONL record file."""
     day = datetime.datetime.now().strftime("%m%d")
@@ -295,6 +306,7 @@ def run_serve(args: Any) -> dict:
         raise ValueError("the workload is empty")
     records, duration = asyncio.run(benchmark(args, convs, tok))
     metrics = compute_metrics(records, duration)
+    metrics["accept_length"] = server_accept_length(args.base_url)
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     print(format_result(metrics, args.backend, args.request_rate, args.max_concurrency))
     record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "request_rate": rate}

@@ -19,6 +19,11 @@ DTYPE_BYTES = {
 }  # fmt: skip
 # The dtypes weights, activations and the KV cache are served in, and the spellings that mean them.
 SERVING_DTYPES = ("float32", "bfloat16", "float16")
+# The KV cache may also be stored in fp8 (SGLang's names), converted on every write and read: without calibrated
+# scales, as SGLang's default, the values are stored as they are (a scale of 1.0)
+KV_CACHE_DTYPES = (*SERVING_DTYPES, "fp8_e4m3", "fp8_e5m2")
+_KV_ALIASES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+_FP8_TORCH_NAMES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _SERVING_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -82,8 +87,17 @@ def resolve_dtype_name(hf_config: dict, device: str, requested: str | None = "au
 
 
 def kv_cache_dtype_name(requested: str | None, dtype: str) -> str:
-    """The KV cache dtype: "auto" (or none given) is the resolved weight/activation dtype."""
-    return dtype if requested in (None, "auto") else _plain_name(requested)
+    """The canonical KV cache dtype (one of KV_CACHE_DTYPES): "auto" (or none given) is the resolved
+    weight/activation dtype; ValueError for a dtype the KV cache cannot be stored in."""
+    if requested in (None, "auto"):
+        return dtype
+    plain = _plain_name(requested)
+    plain = _KV_ALIASES.get(plain, _SERVING_ALIASES.get(plain, plain))
+    if plain not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"KV cache dtype {requested!r} is not one Kiln stores (use {', '.join(KV_CACHE_DTYPES)})"
+        )
+    return plain
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -91,3 +105,11 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, serving_dtype_name(name))
+
+
+def kv_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype the KV pool stores a KV cache dtype name in (fp8_e4m3 -> torch.float8_e4m3fn)."""
+    import torch
+
+    canonical = kv_cache_dtype_name(name, "")
+    return getattr(torch, _FP8_TORCH_NAMES.get(canonical, canonical))

@@ -84,6 +84,8 @@ class ForwardBatch:
     # DECODE: [B, L] slots of every sequence, padded with slot 0, and the [B, 1, 1, L] validity mask
     kv_table: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
+    # both modes, hybrid models: [B] int64, each request's slot in the linear layers' state pool (its table row)
+    state_slots: torch.Tensor | None = None
     # set by the model runner (AttentionBackend.prepare_metadata) once the batch is on its device
     attn: AttentionMetadata | None = None
 
@@ -103,6 +105,7 @@ class ForwardBatch:
             seq_slots=[move(t) for t in self.seq_slots],
             kv_table=move(self.kv_table),
             kv_mask=move(self.kv_mask),
+            state_slots=move(self.state_slots),
             attn=None,
         )
 

@@ -7,26 +7,35 @@ weights once per call whatever the batch size, so decode, which is bound by read
 the memory bandwidth; oneDNN's layout is the fallback because it still beats `F.linear`'s plain one at decode
 batch sizes (figures in docs/benchmarks.md).
 
+A GGUF matrix's quantized blocks (kiln/layers/quant_rows.py) are packed instead where the mode keeps them: under
+`auto` (and `kiln`) every type the integer kernels take (kiln/layers/int_gemm.py: activations rounded to int8, as
+llama.cpp computes); under `exact` Q4_1 and Q8_0, multiplied in float32 by Kiln's float kernel, which gives the
+dequantized weights' products bit for bit. `--quantization int8` packs a float32 checkpoint's linear weights as
+int8 rows (one float32 scale each) for the integer kernels.
+
 Which layout a load packs into is the `--cpu-gemm` mode, set once per model load with `set_cpu_gemm()`: a
 module-wide setting rather than an argument because the layers' `prepack_weights()` reach it from deep inside the
-model. A packed weight carries its layout, so models loaded under different modes in one process each keep their
-matmuls; the other kernels (RMSNorm, decode attention) follow the mode in force, since `--cpu-gemm onednn` means
-none of Kiln's kernels is built or run.
+model. A packed weight carries its layout (float32 [N / 16, K, 16], quantized blocks uint8 [N / 16, K / 32, chunk],
+the integer kernels' uint8 [N / 16, bytes per 16 rows], oneDNN's opaque tensor), so models loaded under different
+modes in one process each keep their matmuls; the other kernels (RMSNorm, decode attention) follow the mode in
+force, since `--cpu-gemm onednn` means none of Kiln's kernels is built or run.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import logging
 import os
 import time
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 
+import kiln.layers.int_gemm as int_gemm
+from kiln.layers.extension_loader import load_extension
 from kiln.layers.quant_rows import BYTES_PER_BLOCK, QUANT_BLOCK, GGUFRows
-from kiln.platform import check_cpu_gemm, cpu_runs_kiln_kernel, gguf_blocks_expected
+from kiln.platform import check_cpu_gemm, cpu_runs_kiln_kernel, gguf_block_types, integer_compute
 
 logger = logging.getLogger("kiln")
 
@@ -39,14 +48,24 @@ _QUANT_BY_CHUNK = {BLOCK * BYTES_PER_BLOCK[q]: ops[1] for q, ops in _QUANT_OPS.i
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("blocked_gemm.cpp", "cpu_ops.cpp")]
 
 
+QUANTIZATIONS = ("int8",)  # --quantization values that quantize float32 weights at load
+
 _mode = "auto"  # --cpu-gemm of the model being loaded (or last loaded); set_cpu_gemm() changes it
+_quantization: str | None = None  # --quantization of the model being loaded
+_packed: Counter[str] = Counter()  # the formats prepack() gave since prepack_module_weights() began
 
 
-def set_cpu_gemm(mode: str) -> None:
-    """Set --cpu-gemm for the weights packed from now on (one model load). A ValueError names the flag and the
-    valid values for an unknown mode, and refuses "kiln" where the CPU cannot run Kiln's kernel."""
-    global _mode
+def set_cpu_gemm(mode: str, quantization: str | None = None) -> None:
+    """Set --cpu-gemm (and --quantization) for the weights packed from now on (one model load). A ValueError names
+    the flag and the valid values for an unknown mode, and refuses "kiln" where the CPU cannot run Kiln's
+    kernel."""
+    global _mode, _quantization
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"--quantization {quantization!r}: Kiln quantizes at load to {', '.join(QUANTIZATIONS)}"
+        )
     _mode = check_cpu_gemm(mode)
+    _quantization = quantization
 
 
 def cpu_gemm_mode() -> str:
@@ -87,31 +106,6 @@ def kiln_kernel():
     return kernel
 
 
-def load_extension(name: str, sources: list[str], build_directory: str | None = None):
-    """torch's C++ extension loader (build on first use, then load from the extension cache) with Kiln's flags, one
-    Kiln process at a time per build directory. torch marks a build in progress with a `lock` file that a process
-    killed mid-build leaves behind, and every later load then waits on it forever. Kiln holds an OS lock on a file
-    of its own around the load (released by the kernel when its holder dies), so a `lock` found while holding it
-    can only be such a leftover, and is removed."""
-    from torch.utils import cpp_extension
-
-    directory = build_directory or cpp_extension._get_build_directory(name, verbose=False)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "kiln.flock"), "w") as held:
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info(f"Waiting for another Kiln process to finish building {name} in {directory}.")
-            fcntl.flock(held, fcntl.LOCK_EX)
-        stale = os.path.join(directory, "lock")
-        if os.path.exists(stale):
-            logger.warning(f"Removing {stale}, left by a build of {name} that was killed before it finished.")
-            os.remove(stale)
-        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-        return cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  build_directory=directory)  # fmt: skip
-
-
 def eager_cpu_kernel(x: torch.Tensor):
     """Kiln's CPU kernels for an eager float32 CPU call, or None (another device or dtype, inside a compiled step
     whose compiler fuses the ATen ops itself, or no kernel here)."""
@@ -124,25 +118,73 @@ def packed_layout_name() -> str:
     return "Kiln's blocked" if kiln_kernel() is not None else "oneDNN's"
 
 
-def prepack(weight: torch.Tensor, gguf_rows: GGUFRows | None = None) -> torch.Tensor | None:
+def prepack(
+    weight: torch.Tensor, gguf_rows: GGUFRows | None = None, quantize: bool = False
+) -> torch.Tensor | None:
     """The weight in a packed layout, or None where none applies (non-CPU, non-fp32): with the raw GGUF blocks
-    the weight was dequantized from and a mode that keeps them, Kiln's quantized blocks (uint8 [N / 16, K / 32,
-    16 x bytes per block]); else Kiln's float32 [N / 16, K, 16] blocks when the mode and CPU give the kernel and N
+    the weight was dequantized from, the blocks where the mode keeps their type (the integer kernels' layout, or
+    Kiln's quantized float blocks under `exact`); a linear layer's weight (`quantize`) as int8 rows under
+    --quantization int8; else Kiln's float32 [N / 16, K, 16] blocks when the mode and CPU give the kernel and N
     divides into blocks; else oneDNN's."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     kernel = kiln_kernel()
     if kernel is not None and weight.shape[0] % BLOCK == 0:
-        if gguf_rows is not None and weight.shape[1] % QUANT_BLOCK == 0 and gguf_blocks_expected(_mode):
-            return getattr(kernel, _QUANT_OPS[gguf_rows.qtype][0])(gguf_rows.rows)
-        return kernel.pack(weight.detach())
+        packed, label = _pack_blocks(kernel, weight, gguf_rows, quantize)
+        _packed[label] += 1
+        return packed
     if not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
     except RuntimeError as e:  # an oneDNN build without this path
         logger.warning(f"weight prepacking unavailable, using F.linear: {e}")
         return None
+    _packed["float32"] += 1
+    return packed
+
+
+def _pack_blocks(
+    kernel, weight: torch.Tensor, gguf_rows: GGUFRows | None, quantize: bool
+) -> tuple[torch.Tensor, str]:
+    """Kiln's layouts for a weight of N divisible into blocks, and the format's name for the load's log line."""
+    qtype = gguf_rows.qtype if gguf_rows is not None and gguf_rows.qtype in gguf_block_types(_mode) else None
+    k = weight.shape[1]
+    integer = integer_compute(_mode) and int_gemm.kernel() is not None
+    if qtype is not None and integer and _readable(qtype, k):
+        return int_gemm.pack(qtype, gguf_rows.rows), f"{qtype} (integer)"
+    if qtype in _QUANT_OPS and k % QUANT_BLOCK == 0:  # exact, or no integer kernel here
+        return getattr(kernel, _QUANT_OPS[qtype][0])(gguf_rows.rows), f"{qtype} (float32)"
+    if quantize and _quantization == "int8" and int_gemm.kernel() is not None and _readable("I8", k):
+        return int_gemm.pack("I8", int_gemm.quantize_int8_rows(weight)), "I8 (integer)"
+    return kernel.pack(weight.detach()), "float32"
+
+
+def _readable(qtype: str, k: int) -> bool:
+    """Whether a weight packed for the integer kernels as `qtype` with inputs of width k is told apart from every
+    other type by its shape (_integer_format), as linear() must."""
+    if k % int_gemm.WEIGHTS_PER_BLOCK[qtype]:
+        return False
+    return _integer_format(k, int_gemm.packed_bytes_per_row_block(qtype, k)) == qtype
+
+
+@functools.cache
+def _integer_format(k: int, row_block_bytes: int) -> str | None:
+    """The integer kernels' type of a packed weight [N / 16, row_block_bytes] multiplying inputs of width k: the
+    one type whose layout has that many bytes per 16 rows (None for none or several: only I8's can share another's
+    size, Q8_0's at k = 64, and such a weight is not packed for the integer kernels)."""
+    found = [
+        q
+        for q in int_gemm.QTYPES
+        if k % int_gemm.WEIGHTS_PER_BLOCK[q] == 0
+        and int_gemm.packed_bytes_per_row_block(q, k) == row_block_bytes
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def packed_formats() -> dict[str, int]:
+    """How many weights prepack() packed into each format since prepack_module_weights() began."""
+    return dict(_packed)
 
 
 def _blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -204,10 +246,24 @@ def _(q, k_cache, v_cache, table, mask, scale: float, shared) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
+# the KV pool dtypes Kiln's decode attention reads, each converted to float32 in registers (csrc/cpu_ops.cpp)
+DECODE_ATTENTION_KV_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+
+
 def has_cpu_decode_attention(k_cache: torch.Tensor) -> bool:
-    """Whether Kiln's decode attention serves this KV pool: float32 on the CPU, with the kernel built. Asked once,
-    eagerly: a compiled step must not trace the kernel's loading."""
-    return k_cache.device.type == "cpu" and k_cache.dtype == torch.float32 and kiln_kernel() is not None
+    """Whether Kiln's decode attention serves this KV pool: on the CPU, of a dtype it reads, with the kernel built.
+    Asked once, eagerly: a compiled step must not trace the kernel's loading."""
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype in DECODE_ATTENTION_KV_DTYPES
+        and kiln_kernel() is not None
+    )
 
 
 def cpu_decode_attention():
@@ -216,15 +272,27 @@ def cpu_decode_attention():
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
-    """`packed` comes from the layer (a traced weight does not report its layout); a 3-D weight is Kiln's."""
+    """`packed` comes from the layer (a traced weight does not report its layout); a 3-D weight is Kiln's blocks,
+    a 2-D uint8 one the integer kernels' (its type read from its shape and the input's width)."""
     if not packed:
         return F.linear(x, weight, bias)
+    if weight.dim() == 2 and weight.dtype == torch.uint8:
+        k = x.shape[-1]
+        # traced, the uncached function: the compiler would ignore the cache (and warn), the type is a constant
+        find = _integer_format.__wrapped__ if torch.compiler.is_compiling() else _integer_format
+        qtype = find(k, weight.shape[1])
+        assert qtype is not None, f"no integer type packs {k} inputs into {weight.shape[1]} bytes per 16 rows"
+        y = int_gemm.linear(x, weight, qtype, weight.shape[0] * BLOCK, k)
+        return y + bias if bias is not None else y
     blocked = weight.dim() == 3
     if torch.compiler.is_compiling():
         return (torch.ops.kiln.blocked_linear if blocked else packed_linear)(x, weight, bias)
     return _blocked(x, weight, bias) if blocked else _onednn(x, weight, bias)
 
 
-def prepack_module_weights(model: torch.nn.Module) -> int:
-    """Calls `prepack_weights()` on every layer that has one; returns how many weights were packed."""
-    return sum(int(m.prepack_weights()) for m in model.modules() if hasattr(m, "prepack_weights"))
+def prepack_module_weights(model: torch.nn.Module) -> tuple[int, dict[str, int]]:
+    """Calls `prepack_weights()` on every layer that has one; returns how many weights were packed and how many
+    into each format ("float32", "Q4_1 (integer)", "Q8_0 (float32)", "I8 (integer)", ...)."""
+    _packed.clear()
+    count = sum(int(m.prepack_weights()) for m in model.modules() if hasattr(m, "prepack_weights"))
+    return count, packed_formats()

@@ -24,8 +24,8 @@ class _PrepackableLinear(nn.Module):
 
     def prepack_weights(self) -> bool:
         """After loading: swap the weight for its prepacked CPU layout where that exists (quantized, when the
-        weight came from GGUF Q4_1 / Q8_0 blocks)."""
-        packed = prepack(self.weight, pop_rows(self.weight))
+        weight came from GGUF blocks the --cpu-gemm mode keeps, or under --quantization int8)."""
+        packed = prepack(self.weight, pop_rows(self.weight), quantize=True)
         if packed is None:
             return False
         self.weight = nn.Parameter(packed, requires_grad=False)

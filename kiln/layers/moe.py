@@ -23,7 +23,7 @@ from torch import nn
 from kiln.core.sharding import divide, expert_split
 from kiln.distributed import all_reduce, ep_size, tp_rank, tp_size
 from kiln.layers.activation import silu_and_mul
-from kiln.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from kiln.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kiln.layers.rotary import check_choice as _check_choice
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -130,6 +130,8 @@ class MoESpec:
     expert_intermediate_size: int  # of one routed expert
     shared_intermediate_size: int  # of all shared experts together; 0: none
     router: RouterSpec
+    # Qwen2-MoE / Qwen3-Next: the shared expert's output is scaled per token by sigmoid(shared_expert_gate(x))
+    shared_expert_gate: bool = False
 
     @classmethod
     def from_hf(
@@ -137,11 +139,15 @@ class MoESpec:
     ) -> MoESpec:
         _check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), HIDDEN_ACTS)
         inter = int(hf_config.moe_intermediate_size)
+        # DeepSeek: n_shared_experts of the routed experts' width; Qwen3-Next: one gated shared expert of its own
+        gated_shared = int(getattr(hf_config, "shared_expert_intermediate_size", None) or 0)
+        shared = int(getattr(hf_config, "n_shared_experts", None) or 0) * inter + gated_shared
         return cls(
             hidden_size=int(hf_config.hidden_size),
             expert_intermediate_size=inter,
-            shared_intermediate_size=int(getattr(hf_config, "n_shared_experts", None) or 0) * inter,
+            shared_intermediate_size=shared,
             router=RouterSpec.from_hf(hf_config, scoring_func, topk_method, float32_routing),
+            shared_expert_gate=gated_shared > 0,
         )
 
 
@@ -334,7 +340,8 @@ class GatedMLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """HF's mlp.gate (router), mlp.experts and, where the config has them, mlp.shared_experts."""
+    """HF's mlp.gate (router), mlp.experts and, where the config has them, mlp.shared_experts (Qwen3-Next's
+    mlp.shared_expert loads there too) and mlp.shared_expert_gate."""
 
     def __init__(self, spec: MoESpec):
         super().__init__()
@@ -345,11 +352,18 @@ class SparseMoeBlock(nn.Module):
             if spec.shared_intermediate_size
             else None
         )
+        # one output row: every rank computes the whole gate from its whole input
+        self.shared_expert_gate = ReplicatedLinear(spec.hidden_size, 1) if spec.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is None:
+            return out
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
 
 
 # model.layers.N.mlp.experts.E.gate_proj.weight (per expert) or model.layers.N.mlp.experts.gate_up_proj (fused)

@@ -1,11 +1,12 @@
-"""GGUF's quantized rows kept beside a float32 weight while it loads, for Kiln's quantized CPU matmul.
+"""GGUF's quantized rows kept beside a float32 weight while it loads, for Kiln's quantized CPU matmuls.
 
 The GGUF loader dequantizes every tensor to float32 (what transformers computes with on the same file) and, for
-Q4_1 and Q8_0 matrices, attaches the raw blocks to the tensor it yields (`gguf_rows`). A weight loader that copies
-a shard of the float32 tensor calls `keep_rows` with the same rows (or block-aligned columns); after loading,
-`pop_rows` gives the weight's raw blocks when every row came from one quantized type. The kernel dequantizes
-them exactly as gguf does (d x q + m in float32), so its outputs equal the float32 kernel's bit for bit while a
-decode step reads 0.625 (Q4_1) or 1.06 (Q8_0) bytes per weight instead of 4.
+matrices of a type in BYTES_PER_BLOCK, attaches the raw blocks to the tensor it yields (`gguf_rows`). A weight
+loader that copies a shard of the float32 tensor calls `keep_rows` with the same rows (or columns aligned to the
+type's block); after loading, `pop_rows` gives the weight's raw blocks when every row came from one quantized
+type. Which kernel then reads them is the --cpu-gemm mode's choice (kiln/layers/cpu_gemm.py): the integer
+kernels (kiln/layers/int_gemm.py) take every type here; the exact float32 kernel takes Q4_1 and Q8_0, which it
+dequantizes exactly as gguf does (d x q + m in float32), so its outputs equal the float32 kernel's bit for bit.
 """
 
 from __future__ import annotations
@@ -14,8 +15,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-QUANT_BLOCK = 32  # weights per GGML block, along the input dimension
-BYTES_PER_BLOCK = {"Q4_1": 20, "Q8_0": 34}  # fp16 scale (+ fp16 min) + the quants
+QUANT_BLOCK = 32  # weights per GGML block of the 32-wide types, along the input dimension
+SUPER_BLOCK = 256  # weights per K-quant super-block: a column shard of a K-quant matrix aligns to it
+# GGML types whose blocks a load keeps (those some --cpu-gemm mode multiplies in them): bytes per block (gguf's
+# GGML_QUANT_SIZES) and weights per block
+BYTES_PER_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
+WEIGHTS_PER_BLOCK = {"Q4_0": QUANT_BLOCK, "Q4_1": QUANT_BLOCK, "Q8_0": QUANT_BLOCK}
+WEIGHTS_PER_BLOCK |= {"Q4_K": SUPER_BLOCK, "Q6_K": SUPER_BLOCK}
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of k weights in `qtype`'s blocks (k a multiple of the type's block)."""
+    return k // WEIGHTS_PER_BLOCK[qtype] * BYTES_PER_BLOCK[qtype]
 
 
 @dataclass(frozen=True)
@@ -38,17 +49,18 @@ def keep_rows(
     k_start: int = 0, k_len: int | None = None,
 ) -> None:  # fmt: skip
     """Record the raw blocks of loaded[src_row : src_row + rows, k_start : k_start + k_len] as param's rows from
-    dst_row, beside the float32 copy the caller made of the same slice."""
+    dst_row, beside the float32 copy the caller made of the same slice. A column slice keeps its blocks only
+    where it starts and ends on a block of the type (256 weights for the K-quants)."""
     got: _Gathered = param.__dict__.setdefault("_kiln_gguf_rows", _Gathered())
     src: GGUFRows | None = getattr(loaded, "gguf_rows", None)
-    aligned = k_start % QUANT_BLOCK == 0 and (k_len or 0) % QUANT_BLOCK == 0
+    width = WEIGHTS_PER_BLOCK[src.qtype] if src is not None else QUANT_BLOCK
+    aligned = k_start % width == 0 and (k_len or 0) % width == 0
     if src is None or not aligned or got.qtype not in (None, src.qtype):
         got.complete = False
         return
     raw = src.rows[src_row : src_row + rows]
     if k_len is not None:
-        per_block = BYTES_PER_BLOCK[src.qtype]
-        raw = raw[:, k_start // QUANT_BLOCK * per_block : (k_start + k_len) // QUANT_BLOCK * per_block]
+        raw = raw[:, row_bytes(src.qtype, k_start) : row_bytes(src.qtype, k_start + k_len)]
     got.qtype = src.qtype
     got.parts[dst_row] = raw
 

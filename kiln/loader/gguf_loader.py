@@ -240,9 +240,6 @@ def _gguf_summary(header: _Header, arch: str) -> dict[str, Any]:
     numel = sum(
         int(np.prod(t.shape, dtype=np.int64)) for t in header.tensors if t.name not in _IGNORED_TENSORS
     )
-    blocks = [t for t in header.tensors if t.qtype.name in BYTES_PER_BLOCK and len(t.shape) == 2]
-    linear = [t for t in blocks if t.name != "token_embd.weight"]
-    embed = [t for t in blocks if t.name == "token_embd.weight"]
     return {
         "architecture": arch,
         "name": header.metadata.get("general.name"),
@@ -251,11 +248,37 @@ def _gguf_summary(header: _Header, arch: str) -> dict[str, Any]:
         "tensor_types": dict(Counter(t.qtype.name for t in header.tensors)),
         "weight_bytes_f32": numel * 4,
         "weight_bytes_file": sum(t.nbytes for t in header.tensors),
-        # Q4_1 / Q8_0 matrices, which Kiln's CPU kernel keeps in their blocks (the embedding for a tied LM head)
-        "block_linear_params": sum(int(np.prod(t.shape, dtype=np.int64)) for t in linear),
-        "block_linear_bytes": sum(t.nbytes for t in linear),
-        "block_embed_bytes": sum(t.nbytes for t in embed),
+        # per GGML type Kiln's CPU kernels may keep in blocks: [linear params, their bytes, embedding bytes]
+        # (the embedding's for a tied LM head); which types a load keeps is --cpu-gemm's choice
+        "block_types": _block_types(header),
+        # per GGML type, the projections' [params, rows] (the matrices but the embedding and the LM head): what
+        # --quantization int8 rounds at load where --cpu-gemm does not keep the type's blocks
+        "linear_types": _linear_types(header),
     }
+
+
+def _linear_types(header: _Header) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for t in header.tensors:
+        if len(t.shape) == 2 and t.name not in ("token_embd.weight", "output.weight"):
+            counts = found.setdefault(t.qtype.name, [0, 0])
+            counts[0] += int(np.prod(t.shape, dtype=np.int64))
+            counts[1] += t.shape[0]
+    return found
+
+
+def _block_types(header: _Header) -> dict[str, list[int]]:
+    kept: dict[str, list[int]] = {}
+    for t in header.tensors:
+        if t.qtype.name not in BYTES_PER_BLOCK or len(t.shape) != 2:
+            continue
+        counts = kept.setdefault(t.qtype.name, [0, 0, 0])
+        if t.name == "token_embd.weight":
+            counts[2] += t.nbytes
+        else:
+            counts[0] += int(np.prod(t.shape, dtype=np.int64))
+            counts[1] += t.nbytes
+    return kept
 
 
 def read_gguf_config(path: str) -> dict:
@@ -311,13 +334,14 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32) -> Iterator
         if not values.flags.writeable or not values.flags.c_contiguous:
             values = np.array(values, order="C")
         tensor = torch.from_numpy(values).to(dtype)
-        if raw is not None and dtype == torch.float32:  # the quantized kernel computes in float32
+        if raw is not None and dtype == torch.float32:  # the quantized kernels take float32 activations
             tensor.gguf_rows = GGUFRows(info.qtype.name, torch.from_numpy(np.array(raw, order="C")))
         yield name, tensor
 
 
 def _raw_rows(data: np.ndarray, info: _TensorInfo) -> np.ndarray | None:
-    """The GGML blocks of a Q4_1 / Q8_0 matrix as rows [N, K / 32 * bytes per block] (a view of the file)."""
+    """The GGML blocks of a matrix of a type in BYTES_PER_BLOCK as rows [N, K / block * bytes per block] (a view
+    of the file)."""
     if info.qtype.name not in BYTES_PER_BLOCK or len(info.shape) != 2:
         return None
     return data[info.offset : info.offset + info.nbytes].reshape(info.shape[0], -1)

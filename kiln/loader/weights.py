@@ -9,7 +9,7 @@ import glob
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -74,6 +74,9 @@ class LoadedModel:
     model: torch.nn.Module
     seconds: float  # building, reading the checkpoint and prepacking
     prepacked_weights: int  # linear weights packed into a CPU layout (0: none, or prepack off)
+    # how many of them in each format: "float32", "Q4_1 (integer)", "Q8_0 (float32)" (GGUF blocks multiplied in
+    # float32), "I8 (integer)" (--quantization int8), ...
+    packed_formats: dict[str, int] = field(default_factory=dict)
 
 
 def load_model(
@@ -103,12 +106,12 @@ def load_model(
             f"checkpoint {cfg.model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
         )
     model.init_buffers(max_positions, device)
-    prepacked = 0
+    prepacked, formats = 0, {}
     if prepack:
         from kiln.layers.cpu_gemm import prepack_module_weights
 
-        prepacked = prepack_module_weights(model)
+        prepacked, formats = prepack_module_weights(model)
     for p in model.parameters():  # the GGUF blocks no layer packed (an untied embedding, GPU weights)
         pop_rows(p)
     model.eval()
-    return LoadedModel(model, time.perf_counter() - t0, prepacked)
+    return LoadedModel(model, time.perf_counter() - t0, prepacked, formats)

@@ -50,8 +50,8 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def serve_accepts(flags: dict[str, str]) -> bool:
     """Whether `kiln serve` takes these flags today: its parser and ServerArgs' checks accept them and it runs what
-    they ask for. A fix serve would refuse (an fp8 KV cache) is searched for but not offered, so the search offers
-    it again by itself once serve accepts it."""
+    they ask for. A fix serve would refuse is searched for but not offered, so the search offers it by itself once
+    serve accepts it."""
     try:
         args = ServerArgs.from_cli(_serve_parser().parse_args(flags_argv(flags)))
     except (ValueError, argparse.ArgumentError):
@@ -160,7 +160,8 @@ def _cuda_candidates(inputs: LedgerInputs, moment: str, core: Core) -> Iterator[
     if dtype_bytes(kv_dtype) > 1 and moment == "kv_allocation":
         trial = replace(inputs, kv_cache_dtype="fp8_e4m3")
         if _fits(core, trial):
-            text = "--kv-cache-dtype fp8_e4m3 (half the KV bytes)"
+            share = "half" if dtype_bytes(kv_dtype) == 2 else "a quarter of"
+            text = f"--kv-cache-dtype fp8_e4m3 ({share} the KV bytes)"
             yield Candidate({"--kv-cache-dtype": "fp8_e4m3"}, trial, text)
 
 

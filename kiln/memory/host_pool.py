@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from kiln.memory.allocator import TokenAllocator
+from kiln.memory.kv_pool import copyable
 
 
 class DevicePool(Protocol):
@@ -31,7 +32,8 @@ class HostKVPool:
         self.allocator = TokenAllocator(num_tokens, self.page_size, "cpu")
         rows = self.allocator.size + self.page_size  # plus the reserved padding page, as the device pool
         pin = any(t.is_cuda for t in device_pool.k)
-        self._device = [*device_pool.k, *device_pool.v]
+        # byte views of fp8 pools: torch has no CPU index_copy_ for fp8
+        self._device = [copyable(t) for t in (*device_pool.k, *device_pool.v)]
         # zeros: the memory is committed at startup as the ledger's host line says, not page by page
         self._host = [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in self._device]
         self.bytes_written = 0  # device -> host, since the start

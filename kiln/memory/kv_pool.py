@@ -1,8 +1,22 @@
-"""The token -> KV pool: per layer, K and V rows indexed by token slot (slot 0's page is padding)."""
+"""The token -> KV pool: per layer, K and V rows indexed by token slot (slot 0's page is padding).
+
+The pool stores its rows in the KV cache dtype (--kv-cache-dtype), which may be narrower than the model's compute
+dtype (bfloat16 or fp8 under a float32 model): writes convert the new rows on store, and readers convert what they
+read (gather_as), or read the stored rows themselves (Kiln's CPU decode kernel converts each element in registers,
+so a narrow pool is never copied out at the compute width)."""
 
 from __future__ import annotations
 
 import torch
+
+# dtypes whose rows the tiers copy as bytes: torch has no CPU index_copy_ for them
+_BYTE_COPIED = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def copyable(rows: torch.Tensor) -> torch.Tensor:
+    """A pool tensor as the host and storage tiers copy it: itself, or for fp8 a uint8 view of the same memory
+    (torch's CPU index_copy_ has no fp8 kernel; the tiers move rows bit for bit either way)."""
+    return rows.view(torch.uint8) if rows.dtype in _BYTE_COPIED else rows
 
 
 class KVPool:
@@ -25,9 +39,15 @@ class KVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the rows are stored in."""
+        return self.k[0].dtype if self.k else torch.float32
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        """k, v: [T, heads, dim] rows of the new tokens, in any floating dtype: stored converted to the pool's."""
+        self.k[layer][slots] = k.to(self.k[layer].dtype)
+        self.v[layer][slots] = v.to(self.v[layer].dtype)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows of `slots` (any shape), shaped [*slots.shape, heads, dim]. index_select on the flat
@@ -38,6 +58,13 @@ class KVPool:
             self.k[layer].index_select(0, flat).view(shape),
             self.v[layer].index_select(0, flat).view(shape),
         )
+
+    def gather_as(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """gather's rows converted to `dtype` (the queries' dtype); no copy beyond the gather when they match."""
+        k, v = self.gather(layer, slots)
+        return k.to(dtype), v.to(dtype)
 
     @property
     def k_bytes(self) -> int:
@@ -69,14 +96,23 @@ class LatentKVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v: list[torch.Tensor] = []
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the rows are stored in."""
+        return self.k[0].dtype if self.k else torch.float32
+
     def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        """latent: [T, width] rows of the new tokens."""
+        """latent: [T, width] rows of the new tokens, stored converted to the pool's dtype."""
         self.k[layer][slots] = latent.unsqueeze(1).to(self.k[layer].dtype)
 
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The latent rows of `slots` (any shape), shaped [*slots.shape, width]."""
+        """The latent rows of `slots` (any shape), shaped [*slots.shape, width], in the pool's dtype."""
         rows = self.k[layer].index_select(0, slots.reshape(-1))
         return rows.view(*slots.shape, rows.shape[-1])
+
+    def gather_as(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """gather's rows converted to `dtype` (the queries' dtype)."""
+        return self.gather(layer, slots).to(dtype)
 
     @property
     def k_bytes(self) -> int:

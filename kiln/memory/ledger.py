@@ -16,8 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from kiln.config import check_mem_fraction_static
+from kiln.core.dtypes import dtype_bytes
 from kiln.core.units import GIB, gb, gib
 from kiln.memory.fix_search import find_fix
+from kiln.memory.ledger_states import StatePlan, clamped, given_slots_plan, ratio_plan, size_for_requests
 from kiln.memory.ledger_steps import (
     KvCell,
     PoolBudget,
@@ -35,6 +37,7 @@ from kiln.memory.ledger_types import Failure, Ledger, LedgerInputs, LedgerLine
 from kiln.memory.model_shapes import (
     kv_dims,
     kv_layers,
+    linear_state,
     text_config,
     weight_inputs,
 )
@@ -55,9 +58,21 @@ def compute_ledger(inputs: LedgerInputs) -> Ledger:
 def compute_core(inputs: LedgerInputs) -> Ledger:
     """compute_ledger without the fix search."""
     _validate(inputs)
+    state = linear_state(inputs.hf_config, inputs.tp_size, dtype_bytes(inputs.dtype))
+    if state is None:
+        return _compute(inputs, None)
+    if inputs.max_mamba_cache_size:
+        return _compute(inputs, given_slots_plan(inputs, state))
+    if inputs.max_running_requests and inputs.mamba_full_memory_ratio is None:
+        return size_for_requests(inputs, state, _compute)
+    return _compute(inputs, ratio_plan(inputs, state))
+
+
+def _compute(inputs: LedgerInputs, plan: StatePlan | None) -> Ledger:
+    """The ledger, with a hybrid model's state pool as `plan` sizes it (None: no linear-attention layers)."""
     static, cell, shapes = static_bytes(inputs), kv_cell(inputs), step_shapes(inputs)
     request = PoolRequest(
-        static_bytes=static.total,
+        static_bytes=static.total + (plan.fixed_bytes if plan else 0),
         cell_bytes=cell.total,
         context=shapes.context,
         reserve_at=lambda running_requests: reserve_bytes(inputs, shapes, running_requests),
@@ -65,22 +80,32 @@ def compute_core(inputs: LedgerInputs) -> Ledger:
     )
     sizing = size_pool(inputs, request)
     tokens = sizing.tokens
+    if plan is not None and plan.ratio is not None:
+        pool = (tokens + inputs.page_size) * cell.total if tokens > 0 else 0
+        plan, tokens = plan.split(pool, cell.total, inputs.page_size)
+        plan = clamped(inputs, plan)
     running_requests = (
         resolve_running_requests(inputs, tokens, shapes.context)
         if tokens > 0
         else (inputs.max_running_requests or 1)
     )
+    if plan is not None:
+        running_requests = max(1, min(running_requests, plan.running_cap))
+    state_bytes = plan.slots * plan.state.slot_bytes if plan else 0
     reserve = request_reserve(inputs, shapes, running_requests)
-    budget = pool_budget(inputs, static, cell, shapes, reserve, tokens)
+    budget = pool_budget(inputs, static, cell, shapes, reserve, tokens, state_bytes)
     lines = (
         weight_lines(inputs, static)
         + kv_lines(inputs, cell, budget)
+        + state_lines(inputs, plan, running_requests)
         + reserve_lines(inputs, shapes, reserve, budget)
     )
     host_lines, host_failure = host_check(
         inputs, budget.pool_bytes, inputs.available_memory_bytes - max(budget.headroom, 0)
     )
     failure = first_failure(inputs, sizing, static.total, shapes, reserve, budget, host_failure)
+    if failure is None or failure.moment != "load_weights":  # the state pool is allocated after the weights
+        failure = _state_failure(plan) or failure
     return Ledger(
         lines=tuple(lines + host_lines),
         kv_bytes_per_token=cell.total,
@@ -102,7 +127,42 @@ def compute_core(inputs: LedgerInputs) -> Ledger:
         failure=failure,
         device=inputs.device,
         tp_size=inputs.tp_size,
+        state_slots=plan.slots if plan else 0,
+        state_slot_bytes=plan.state.slot_bytes if plan else 0,
+        running_clamp=plan.clamp if plan else "",
     )
+
+
+def state_lines(inputs: LedgerInputs, plan: StatePlan | None, running_requests: int) -> list[LedgerLine]:
+    """A hybrid model's state pool: the running requests' working slots, and the prefix cache's checkpoints."""
+    if plan is None:
+        return []
+    slot, running = plan.state.slot_bytes, min(running_requests, plan.slots)
+    checkpoints = plan.checkpoint_slots(running)
+    working = (
+        f"{running} running requests x {slot:,} B a slot ({plan.state.text()}); "
+        f"{plan.slots} slots by {plan.how}"
+    )
+    spare = (
+        f"{checkpoints} slots x {slot:,} B: prefix-cache states every --mamba-track-interval "
+        f"{inputs.mamba_track_interval} tokens"
+        if not inputs.disable_radix_cache
+        else f"{checkpoints} slots x {slot:,} B (radix cache off: no checkpoints are taken)"
+    )
+    return [
+        LedgerLine("state pool", running * slot, working),
+        LedgerLine("state checkpoints", checkpoints * slot, spare),
+    ]
+
+
+def _state_failure(plan: StatePlan | None) -> Failure | None:
+    if plan is None or plan.running_cap >= 1:
+        return None
+    message = (
+        f"the state pool's {plan.slots} slots ({plan.how}) hold no request: each needs {plan.per_request} slots "
+        f"of {gib(plan.state.slot_bytes)}"
+    )
+    return Failure("kv_allocation", message, "")
 
 
 def _validate(inputs: LedgerInputs) -> None:
@@ -146,8 +206,13 @@ def weight_lines(inputs: LedgerInputs, static: StaticBytes) -> list[LedgerLine]:
     )
     blocks = static.blocks
     in_blocks = (
-        f"; Q4_1 / Q8_0 linears kept in their GGUF blocks ({gib(blocks.linear_bytes)})" if blocks else ""
+        f"; {' / '.join(blocks.types)} linears kept in their GGUF blocks ({gib(blocks.linear_bytes)}), multiplied "
+        f"in {'integers' if inputs.integer_kernels else 'float32'}"
+        if blocks
+        else ""
     )
+    if static.int8_linears:
+        in_blocks += "; linears int8 (--quantization int8: 1 B + a float32 scale per row)"
     lines = [
         LedgerLine(
             "available",

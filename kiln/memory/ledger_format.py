@@ -27,6 +27,13 @@ def format_table(ledger: Ledger, title: str = "") -> str:
         f"context_len={ledger.context_len}, mem_fraction_static={ledger.mem_fraction_static:.3f}"
     )
     rows.append(f"  mem_fraction_static: {ledger.mem_fraction_reason}")
+    if ledger.state_slots:
+        rows.append(
+            f"  state pool: {ledger.state_slots} slots = {ledger.max_running_requests} running requests "
+            f"+ {ledger.checkpoint_slots} prefix-cache checkpoints, {ledger.state_slot_bytes:,} B each"
+        )
+    if ledger.running_clamp:
+        rows.append(f"  clamped: {ledger.running_clamp}")
     return "\n".join(rows)
 
 

@@ -16,6 +16,7 @@ from kiln.memory.model_shapes import (
     GgufBlocks,
     context_len_of,
     gguf_block_bytes,
+    int8_saved_bytes,
     kv_bytes_per_token,
     kv_dims,
     kv_layers,
@@ -41,6 +42,7 @@ class StaticBytes:
     packed_head: int  # the CPU prepacked copy of a tied lm head
     draft_weights: int  # the speculative draft model's weights
     blocks: GgufBlocks | None  # the GGUF matrices kept in their blocks, if any
+    int8_linears: bool = False  # --quantization int8 counted: the linears held in int8
 
     @property
     def total(self) -> int:
@@ -52,13 +54,19 @@ def static_bytes(inputs: LedgerInputs) -> StaticBytes:
     weights = weight_bytes(inputs.hf_config, inputs.tp_size, element_bytes)
     prepacked = not inputs.device.startswith("cuda") and inputs.dtype == "float32" and inputs.weight_prepack
     packed_head = packed_lm_head_bytes(inputs.hf_config, inputs.tp_size) if prepacked else 0
-    blocks = gguf_block_bytes(inputs.hf_config, inputs.tp_size) if prepacked and inputs.gguf_blocks else None
+    blocks = (
+        gguf_block_bytes(inputs.hf_config, inputs.tp_size, inputs.gguf_block_types) if prepacked else None
+    )
+    if (
+        prepacked and inputs.int8_linears
+    ):  # --quantization int8: 1 byte per weight and a float32 scale per row
+        weights -= int8_saved_bytes(inputs.hf_config, inputs.tp_size, element_bytes, inputs.gguf_block_types)
     if blocks is not None:  # GGUF matrices kept in their blocks instead of float32
         weights += blocks.linear_bytes - blocks.linear_params * element_bytes
         packed_head = blocks.head_bytes or packed_head
     draft = inputs.draft_hf_config
     draft_weights = weight_bytes(draft, inputs.tp_size, element_bytes) if draft else 0
-    return StaticBytes(weights, packed_head, draft_weights, blocks)
+    return StaticBytes(weights, packed_head, draft_weights, blocks, prepacked and inputs.int8_linears)
 
 
 @dataclass(frozen=True)
@@ -182,8 +190,9 @@ class PoolBudget:
     cell_bytes: int  # KV bytes per token
     pool_bytes: int  # tokens and the padding page
     key_bytes: int  # the K half of the pool (all of it for MLA)
-    after_pool: int  # available - weights - pool - request table - runtime
+    after_pool: int  # available - weights - pool - state pool - request table - runtime
     headroom: int  # after_pool - graphs - peak prefill - logits: must stay >= 0
+    state_bytes: int = 0  # the state pool of a hybrid linear-attention model (working slots and checkpoints)
 
 
 def pool_budget(
@@ -193,6 +202,7 @@ def pool_budget(
     shapes: StepShapes,
     reserve: RequestReserve,
     tokens: int,
+    state_bytes: int = 0,
 ) -> PoolBudget:
     page = inputs.page_size
     pool = (tokens + page) * cell.total if tokens > 0 else 0
@@ -200,10 +210,15 @@ def pool_budget(
     layers = kv_layers(text_config(inputs.hf_config))
     key_bytes = (tokens + page) * key_width * layers * cell.element_bytes if tokens > 0 else 0
     after_pool = (
-        inputs.available_memory_bytes - static.total - pool - reserve.request_table_bytes - shapes.overhead
+        inputs.available_memory_bytes
+        - static.total
+        - pool
+        - state_bytes
+        - reserve.request_table_bytes
+        - shapes.overhead
     )
     headroom = after_pool - reserve.graph_bytes - shapes.prefill_bytes - reserve.logits_bytes
-    return PoolBudget(tokens, cell.total, pool, key_bytes, after_pool, headroom)
+    return PoolBudget(tokens, cell.total, pool, key_bytes, after_pool, headroom, state_bytes)
 
 
 # ---------------------------------------------------------------- the lines

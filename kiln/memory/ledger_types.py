@@ -45,10 +45,17 @@ class LedgerInputs:
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
     hicache_storage_dir: str | None = None  # the file storage tier's directory; None: no storage tier
     draft_hf_config: dict | None = None  # speculative decoding draft model
+    disable_radix_cache: bool = False  # hybrid models: no checkpoint slots for the prefix cache
+    mamba_full_memory_ratio: float | None = None  # hybrid models: SGLang's state : KV split of the pool
+    max_mamba_cache_size: int | None = None  # hybrid models: state slots given
+    mamba_track_interval: int = 256  # hybrid models: tokens between the prefix cache's state checkpoints
     weight_prepack: bool = True  # CPU float32: linear weights in a packed layout (a tied lm head gets a copy)
-    # CPU float32 with prepacking: GGUF Q4_1 / Q8_0 matrices stay in their blocks (Kiln's kernel, AVX2); from_args
-    # asks the platform, plain data does not probe the CPU
-    gguf_blocks: bool = False
+    # CPU float32 with prepacking: the GGUF types whose matrices stay in their blocks under --cpu-gemm (Kiln's
+    # kernels, AVX2); from_args asks the platform, plain data does not probe the CPU
+    gguf_block_types: tuple[str, ...] = ()
+    integer_kernels: bool = False  # --cpu-gemm auto / kiln: kept blocks multiplied in integers (else float32)
+    # CPU float32 with prepacking, --quantization int8: linear weights held as int8 with a float32 scale per row
+    int8_linears: bool = False
 
     @classmethod
     def from_args(cls, args: ServerArgs, hf_config: dict) -> LedgerInputs:
@@ -58,7 +65,7 @@ class LedgerInputs:
         total, available = _device_memory(args, device)
         dtype = resolve_dtype_name(hf_config, device, args.dtype)
         # only the CPU kernel keeps GGUF blocks; --cpu-gemm does not concern a CUDA plan
-        blocks = device == "cpu" and platform.gguf_blocks_expected(args.cpu_gemm)
+        blocks = platform.gguf_block_types(args.cpu_gemm) if device == "cpu" else ()
         return cls(
             hf_config=hf_config,
             device=device,
@@ -86,8 +93,19 @@ class LedgerInputs:
             host_memory_bytes=_host_memory(args),
             hicache_storage_dir=_storage_dir(args),
             weight_prepack=not args.disable_weight_prepack,
-            gguf_blocks=blocks,
+            disable_radix_cache=args.disable_radix_cache,
+            mamba_full_memory_ratio=args.mamba_full_memory_ratio,
+            max_mamba_cache_size=args.max_mamba_cache_size,
+            mamba_track_interval=args.mamba_track_interval,
+            gguf_block_types=blocks,
+            integer_kernels=bool(blocks) and platform.integer_compute(args.cpu_gemm),
+            int8_linears=_int8_linears(args, device),
+            draft_hf_config=_draft_config(args),
         )
+
+
+def _int8_linears(args: ServerArgs, device: str) -> bool:
+    return device == "cpu" and args.quantization == "int8" and platform.int8_kernels(args.cpu_gemm)
 
 
 def _device_memory(args: ServerArgs, device: str) -> tuple[int, int]:
@@ -102,6 +120,18 @@ def _device_memory(args: ServerArgs, device: str) -> tuple[int, int]:
     if device == "cpu" and args.tp_size > 1:
         total, available = total // args.tp_size, available // args.tp_size
     return total, available
+
+
+def _draft_config(args: ServerArgs) -> dict | None:
+    """The config of the speculative draft model or head, whose weights and KV the ledger counts (NGRAM and
+    NEXTN have none of their own)."""
+    algorithm = getattr(args, "speculative_algorithm", None)
+    path = getattr(args, "speculative_draft_model_path", None)
+    if algorithm not in ("STANDALONE", "EAGLE", "EAGLE3") or not path:
+        return None
+    from kiln.loader.model_config import read_hf_config
+
+    return read_hf_config(path)
 
 
 def _storage_dir(args: ServerArgs) -> str | None:
@@ -154,6 +184,15 @@ class Ledger:
     failure: Failure | None
     device: str = "cpu"
     tp_size: int = 1
+    # hybrid linear-attention models: the state pool's slots (running requests' working slots, then the prefix
+    # cache's checkpoints), the bytes of one, and the line saying why --max-running-requests was lowered
+    state_slots: int = 0
+    state_slot_bytes: int = 0
+    running_clamp: str = ""
+
+    @property
+    def checkpoint_slots(self) -> int:
+        return max(0, self.state_slots - self.max_running_requests)
 
     def line(self, name: str) -> LedgerLine:
         return next(x for x in self.lines if x.name == name)

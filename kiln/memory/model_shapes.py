@@ -40,12 +40,94 @@ def kv_heads(cfg: dict) -> int:
     return int(cfg.get("num_key_value_heads") or required(cfg, "num_attention_heads"))
 
 
+def layer_types(cfg: dict) -> list[str]:
+    """Each layer's kind: the config's `layer_types`, or Qwen3-Next's pattern of a full-attention layer every
+    `full_attention_interval`-th (transformers' default 4, which its config.json leaves out), else all attention."""
+    types = cfg.get("layer_types")
+    layers = required(cfg, "num_hidden_layers")
+    if isinstance(types, list) and types:
+        return [str(t) for t in types]
+    if cfg.get("model_type") == "qwen3_next" or cfg.get("full_attention_interval"):
+        interval = int(cfg.get("full_attention_interval") or 4)
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    return ["full_attention"] * layers
+
+
 def kv_layers(cfg: dict) -> int:
     """Layers that keep KV (hybrid models: only the attention layers)."""
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and types:
-        return sum(1 for t in types if str(t) not in _NON_KV_LAYER_TYPES)
-    return required(cfg, "num_hidden_layers")
+    return sum(1 for t in layer_types(cfg) if t not in _NON_KV_LAYER_TYPES)
+
+
+def linear_layers(cfg: dict) -> int:
+    """Linear-attention (gated DeltaNet) layers: each keeps a fixed-size state per request instead of KV."""
+    return sum(1 for t in layer_types(cfg) if t == "linear_attention")
+
+
+# Qwen3-Next keeps the delta rule's recurrent state in float32 whatever the serving dtype (transformers' torch path
+# computes it in float32; SGLang's --mamba-ssm-dtype defaults to float32 for it); the conv state is the model's.
+STATE_SSM_DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class LinearState:
+    """One request's state in a hybrid model's linear-attention layers, on one rank."""
+
+    layers: int
+    conv_shape: tuple[int, int]  # (conv_dim / tp, kernel - 1): the conv1d's last input columns
+    ssm_shape: tuple[int, int, int]  # (value heads / tp, key dim, value dim): the delta rule's matrix
+    conv_element_bytes: int
+    ssm_element_bytes: int
+
+    @property
+    def conv_bytes(self) -> int:
+        return self.layers * math.prod(self.conv_shape) * self.conv_element_bytes
+
+    @property
+    def ssm_bytes(self) -> int:
+        return self.layers * math.prod(self.ssm_shape) * self.ssm_element_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of the state pool: every linear layer's conv and recurrent state."""
+        return self.conv_bytes + self.ssm_bytes
+
+    def text(self) -> str:
+        (conv, columns), (heads, key, value) = self.conv_shape, self.ssm_shape
+        return (
+            f"{self.layers} linear layers x (conv {conv}x{columns} x {self.conv_element_bytes} B "
+            f"+ recurrent {heads}x{key}x{value} x {self.ssm_element_bytes} B)"
+        )
+
+
+def _linear_dims(cfg: dict) -> tuple[int, int, int, int, int]:
+    """(key heads, value heads, key head dim, value head dim, conv kernel) of the linear layers, with
+    transformers' Qwen3NextConfig defaults."""
+    return (
+        int(cfg.get("linear_num_key_heads") or 16),
+        int(cfg.get("linear_num_value_heads") or 32),
+        int(cfg.get("linear_key_head_dim") or 128),
+        int(cfg.get("linear_value_head_dim") or 128),
+        int(cfg.get("linear_conv_kernel_dim") or 4),
+    )
+
+
+def linear_state(hf_config: dict, tp_size: int, element_bytes: int) -> LinearState | None:
+    """The per-request state of a gated DeltaNet hybrid (Qwen3-Next): conv_dim = 2 x key heads x key dim + value
+    heads x value dim over kernel - 1 columns, and a [value heads, key dim, value dim] float32 matrix, per linear
+    layer; None for a model without linear-attention layers."""
+    cfg = text_config(hf_config)
+    layers = linear_layers(cfg)
+    if not layers:
+        return None
+    key_heads, value_heads, key_dim, value_dim, kernel = _linear_dims(cfg)
+    conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
+    return LinearState(
+        layers=layers,
+        conv_shape=(conv_dim // tp_size, kernel - 1),
+        ssm_shape=(value_heads // tp_size, key_dim, value_dim),
+        conv_element_bytes=element_bytes,
+        ssm_element_bytes=dtype_bytes(STATE_SSM_DTYPE),
+    )
 
 
 def kv_dims(cfg: dict, tp_size: int) -> tuple[int, int, str]:
@@ -103,7 +185,20 @@ def _attn_params(cfg: dict, tp: int) -> float:
         params += nh * hd / tp + 2 * kvr * hd + (h if cfg.get("attention_bias") else 0)
     if str(cfg.get("model_type", "")).startswith("qwen3"):
         params += 2 * hd  # q_norm, k_norm
+    if cfg.get("model_type") == "qwen3_next":
+        params += h * nh * hd / tp  # q_proj also projects the output gate
     return params
+
+
+def _linear_attn_params(cfg: dict, tp: int) -> tuple[float, float]:
+    """(linear params sharded by TP, the rest) of a gated DeltaNet layer: in_proj_qkvz, in_proj_ba and out_proj;
+    the conv1d weight, A_log, dt_bias and the gated norm's weight."""
+    h = required(cfg, "hidden_size")
+    key_heads, value_heads, key_dim, value_dim, kernel = _linear_dims(cfg)
+    key, value = key_heads * key_dim, value_heads * value_dim
+    linear = (h * (2 * key + 2 * value) + h * 2 * value_heads + value * h) / tp
+    conv = (2 * key + value) * kernel / tp
+    return linear, conv + 2 * value_heads / tp + value_dim
 
 
 def _attn_norm_params(cfg: dict) -> int:
@@ -149,10 +244,15 @@ def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
     tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
     other = vocab * h / tp_size * (1 if tied else 2) + h  # embedding (+ untied lm head) + final norm
     linear = 0.0
+    kinds = layer_types(cfg)
     for i in range(layers):
         mlp, small = _mlp_params(cfg, i, tp_size)
-        linear += _attn_params(cfg, tp_size) + mlp
-        other += 2 * h + small + _attn_norm_params(cfg)
+        if kinds[i] == "linear_attention":
+            mixer, mixer_rest = _linear_attn_params(cfg, tp_size)
+        else:
+            mixer, mixer_rest = _attn_params(cfg, tp_size), _attn_norm_params(cfg)
+        linear += mixer + mlp
+        other += 2 * h + small + mixer_rest
     return round(linear), round(other)
 
 
@@ -196,28 +296,66 @@ def weight_bytes(hf_config: dict, tp_size: int, element_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class GgufBlocks:
-    """GGUF Q4_1 / Q8_0 matrices that Kiln's CPU kernel keeps in their blocks, per rank."""
+    """GGUF matrices that Kiln's CPU kernels keep in their blocks, per rank."""
 
     linear_params: int  # parameters of the linear matrices kept in blocks
     linear_bytes: int  # their bytes in blocks
     head_bytes: int  # the tied LM head's prepacked copy in blocks; 0 when untied or not in blocks
+    types: tuple[str, ...] = ()  # the GGML types kept, in the file's order
 
 
-def gguf_block_bytes(hf_config: dict, tp_size: int) -> GgufBlocks | None:
-    """The GGUF matrices kept in their blocks on one rank; None for other checkpoints."""
+# packed bytes per raw byte of the GGUF types whose packed layout is larger than the file's blocks: the integer
+# kernels' Q4_K holds each super-block's 12 bytes of 6-bit scales and mins as 16 bytes
+_PACKED_PER_RAW = {"Q4_K": (148, 144)}
+
+
+def gguf_block_bytes(hf_config: dict, tp_size: int, types: tuple[str, ...]) -> GgufBlocks | None:
+    """The GGUF matrices of `types` (those --cpu-gemm keeps, in its order) in their packed blocks on one rank;
+    None where none is."""
     gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
-    if not gguf.get("block_linear_params"):
+    found = gguf.get("block_types") or {}
+    kept = {t: found[t] for t in types if t in found}
+    if not any(counts[0] for counts in kept.values()):
         return None
     tied = bool(
         text_config(hf_config).get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
     )
-    head = int(gguf.get("block_embed_bytes") or 0) if tied else 0
-    return GgufBlocks(
-        *(
-            math.ceil(int(v) / tp_size)
-            for v in (gguf["block_linear_params"], gguf["block_linear_bytes"], head)
-        )
+    packed = {t: _PACKED_PER_RAW.get(t, (1, 1)) for t in kept}
+    params = sum(int(counts[0]) for counts in kept.values())
+    nbytes, head = (
+        sum(int(counts[i]) * packed[t][0] // packed[t][1] for t, counts in kept.items()) for i in (1, 2)
     )
+    return GgufBlocks(
+        *(math.ceil(v / tp_size) for v in (params, nbytes, head if tied else 0)),
+        types=tuple(t for t, counts in kept.items() if counts[0] or (tied and counts[2])),
+    )
+
+
+def int8_saved_bytes(hf_config: dict, tp_size: int, element_bytes: int, kept: tuple[str, ...] = ()) -> int:
+    """Bytes per rank that --quantization int8 saves on the CPU: each weight of the attention and dense MLP
+    projections held in 1 byte instead of `element_bytes`, plus a float32 scale per output row; of a GGUF, the
+    projections whose type is not among the `kept` blocks. Matrices it does not count (latent attention's, the
+    experts') stay counted at `element_bytes`: the plan errs high."""
+    gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
+    if gguf.get("linear_types"):
+        params, rows = (
+            sum(int(counts[i]) for t, counts in gguf["linear_types"].items() if t not in kept) for i in (0, 1)
+        )
+        return math.floor((params * (element_bytes - 1) - 4 * rows) / tp_size)
+    cfg = text_config(hf_config)
+    h, nh = required(cfg, "hidden_size"), required(cfg, "num_attention_heads")
+    params = rows = 0.0
+    for i in range(required(cfg, "num_hidden_layers")):
+        if not is_mla(cfg):
+            hd, kvr = head_dim(cfg), kv_heads_per_rank(kv_heads(cfg), tp_size)
+            q_rows, kv_rows = nh * hd / tp_size, 2 * kvr * hd
+            params += (q_rows + kv_rows) * h + h * q_rows
+            rows += q_rows + kv_rows + h
+        if not _moe_layer(cfg, i):
+            inter = required(cfg, "intermediate_size") / tp_size
+            params += 3 * h * inter
+            rows += 2 * inter + h
+    return math.floor(params * (element_bytes - 1) - 4 * rows)
 
 
 def weight_inputs(hf_config: dict, tp_size: int, dtype: str) -> str:

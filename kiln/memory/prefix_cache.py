@@ -62,6 +62,30 @@ class PrefixCache(ABC):
         """All tokens held by the cache."""
         return self.evictable_size() + self.protected_size()
 
+    def match_stored(self, key: list[int]) -> MatchResult:
+        """The longest page-aligned prefix of ``key`` the cache stores, whether or not a request could start from
+        it (a request re-locking the tokens it has just inserted). Only a hybrid model's cache tells the two apart:
+        its ``match_prefix`` stops where a state checkpoint is."""
+        return self.match_prefix(key)
+
+    def restore_state(self, node: Any, slot: int) -> None:
+        """A request starts in working slot ``slot`` from the prefix matched at ``node`` (None: from no tokens):
+        a hybrid model's cache puts the linear layers' state there. Nothing to do for KV-only models."""
+        return None
+
+    def keep_state(self, node: Any, slot: int) -> None:
+        """The state in working slot ``slot`` covers exactly the tokens up to the end of ``node``: a hybrid model's
+        cache keeps a copy there as a checkpoint. Nothing to do for KV-only models."""
+        return None
+
+    def keeps_states(self) -> bool:
+        """Whether the cache keeps state checkpoints (a hybrid model's, with spare state slots)."""
+        return False
+
+    def wants_checkpoint(self, num_tokens: int) -> bool:
+        """Whether a request whose state covers ``num_tokens`` tokens should leave a checkpoint now."""
+        return False
+
     @abstractmethod
     def reset(self) -> None:
         """Free everything back to the allocator (nothing may be locked)."""

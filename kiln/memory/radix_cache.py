@@ -21,7 +21,8 @@ class TreeNode:
     """One edge of the radix tree: a run of tokens and the slots holding their KV."""
 
     __slots__ = (
-        "key", "value", "host_value", "parent", "children", "lock_ref", "last_access_time", "alive", "hit_count"
+        "key", "value", "host_value", "parent", "children", "lock_ref", "last_access_time", "alive", "hit_count",
+        "checkpoint",
     )  # fmt: skip
 
     def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None) -> None:
@@ -34,6 +35,9 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access_time = 0
         self.alive = True
+        # hybrid models: the state-pool slot holding the linear layers' state after this node's last token
+        # (HybridRadixCache); a split keeps it on the lower part, which still ends at that token
+        self.checkpoint: int | None = None
 
     def __repr__(self) -> str:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, t={self.last_access_time})"

@@ -38,3 +38,16 @@ class ReqToTokenPool:
             raise ValueError(f"request slot {idx} is not in use")
         self._in_use[idx] = False
         self._free.append(idx)
+
+    def decode_table(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode batch's [B, L] slots (row i: the first seq_lens[i] slots of table row rows[i], padded with slot
+        0) and its [B, 1, 1, L] validity mask, None where every row is L long."""
+        width = int(seq_lens.max())
+        kv_table = self.req_to_token[rows, :width]
+        if int(seq_lens.min()) == width:
+            return kv_table, None
+        valid = torch.arange(width).unsqueeze(0) < seq_lens.unsqueeze(1)
+        kv_table = kv_table.masked_fill(~valid.to(kv_table.device), 0)
+        return kv_table, valid.view(len(seq_lens), 1, 1, width)

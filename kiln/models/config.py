@@ -46,6 +46,66 @@ class MlaDims:
         )
 
 
+LINEAR_LAYER_TYPE = "linear_attention"
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """A hybrid model's gated DeltaNet layers (Qwen3-Next): which layers they are and the per-request state each
+    keeps instead of KV rows, a conv state of the last (kernel - 1) inputs of the mixed q/k/v channels and a
+    recurrent state of one [key dim, value dim] matrix per value head."""
+
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" or "full_attention"
+    conv_kernel: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_LAYER_TYPE)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t != LINEAR_LAYER_TYPE)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q and k (key_dim each) and v (value_dim)."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> LinearAttentionSpec | None:
+        types = tuple(str(t) for t in (getattr(hf, "layer_types", None) or ()))
+        if LINEAR_LAYER_TYPE not in types:
+            return None
+        return cls(
+            layer_types=types,
+            conv_kernel=int(hf.linear_conv_kernel_dim),
+            num_key_heads=int(hf.linear_num_key_heads),
+            num_value_heads=int(hf.linear_num_value_heads),
+            key_head_dim=int(hf.linear_key_head_dim),
+            value_head_dim=int(hf.linear_value_head_dim),
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str
@@ -65,6 +125,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     is_gguf: bool
     mla: MlaDims | None = None  # set for latent attention: the KV pool then holds one latent row per token
+    # set for hybrid models: their linear-attention layers keep a per-request state and no KV
+    linear_attention: LinearAttentionSpec | None = None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with KV in the pool: every layer, or a hybrid's full-attention layers only."""
+        if self.linear_attention is None:
+            return self.num_layers
+        return len(self.linear_attention.full_layers)
 
     @classmethod
     def from_hf_dict(cls, model_path: str, d: dict) -> ModelConfig:
@@ -95,4 +164,5 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             is_gguf=model_path.endswith(".gguf"),
             mla=MlaDims.from_hf(hf),
+            linear_attention=LinearAttentionSpec.from_hf(hf),
         )

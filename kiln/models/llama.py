@@ -124,6 +124,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tied = True
         self.rotary: RotaryEmbedding | None = None
         self.attn = None  # the attention backend, set by the model runner
+        # hidden states a draft head reads (set by a speculative drafter at startup): "last" keeps the final
+        # normed hidden state of every row (EAGLE), a tuple of layer indices keeps the residual stream entering
+        # each of those layers, concatenated (EAGLE-3); None keeps nothing
+        self.capture_hidden: str | tuple[int, ...] | None = None
+        self.last_hidden: torch.Tensor | None = None  # [rows, width] of the last forward, when captured
 
     def init_buffers(self, max_positions: int, device) -> None:
         """Non-parameter state, built after the weights were materialized off `meta`."""
@@ -135,8 +140,17 @@ class LlamaForCausalLM(nn.Module):
         )
         h = self.model.embed_tokens(ids)
         cos_sin = self.rotary.cos_sin_for(pos, h.dtype)
-        for layer in self.model.layers:
+        capture, rows = self.capture_hidden, fb.input_ids.shape[0]
+        taken: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(capture, tuple) and i in capture:  # a copy: the next piece may reuse the buffer
+                taken.append(h[:rows].clone())
             h = layer(cos_sin, h, fb, self.rotary, self.attn, pieces)
+        if capture == "last":
+            self.last_hidden = h = self.model.norm(h[:rows])
+            return self.lm_head(h if fb.logits_index is None else h[fb.logits_index]).float()
+        if taken:
+            self.last_hidden = torch.cat(taken, dim=-1)
         h = self.model.norm(h if fb.logits_index is None else h[fb.logits_index])
         return self.lm_head(h).float()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kiln.models import deepseek_v3, llama, qwen3_moe
+from kiln.models import deepseek_v3, llama, qwen3_moe, qwen3_next
 
 MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": deepseek_v3.DeepseekV3ForCausalLM,  # Kimi-K2's config names it too
@@ -13,6 +13,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
     "Qwen3ForCausalLM": llama.Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": qwen3_moe.Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": qwen3_next.Qwen3NextForCausalLM,
 }
 
 

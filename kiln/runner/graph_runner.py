@@ -104,13 +104,19 @@ class GraphRunner:
         cache_dir: str | None = None,
         *,
         attn_backend: AttentionBackend,
+        role: str = "target",
     ):
-        """attn_backend: the attention backend the model runs with (the model runner's)."""
-        self.model, self.device = model, device
+        """attn_backend: the attention backend the model runs with (the model runner's); role: "target", or
+        "draft" for a speculative draft model (SGLang's draft capture log lines)."""
+        self.model, self.device, self.role = model, device, role
         self.attn = attn_backend
         self.cuda = device.startswith("cuda")
         configure_compiler(cache_dir, len(batch_sizes) + len(prefill_tokens or []))
         self.phases: dict[str, Phase] = {}
+        eager_only = getattr(model, "eager_only", None)
+        if eager_only:  # nothing captured: every batch runs eagerly
+            logger.info(f"Graph capture is off for {type(model).__name__}: {eager_only}; it runs eagerly.")
+            batch_sizes, prefill_tokens = [], []
         if prefill_tokens:
             prefill = (
                 BreakablePrefill(model, self.attn, device)
@@ -157,23 +163,38 @@ class GraphRunner:
         sizes = sorted(phase.sizes, reverse=True)
         t0, mem0 = time.perf_counter(), used_memory_bytes(self.device)
         shape = "num_tokens_per_req=1, bs" if phase.name == "decode" else "num_tokens"
-        logger.info(
-            f"Capture target {phase.name} {self.kind} graph begin. backend={phase.backend.name}, "
-            f"{shape}={phase.sizes}, avail mem={gib(available_memory_bytes(self.device))}"
-        )
-        desc = "Capturing batches" if phase.name == "decode" else "Capturing num tokens"
+        avail_mem = gib(available_memory_bytes(self.device))
+        if self.role == "draft":  # SGLang's wording, which operators watch for after the target's capture
+            logger.info(
+                f"Capture draft {self.kind.lower()} graph begin. This can take up to several minutes. "
+                f"avail mem={avail_mem}, backend={phase.backend.name}, {shape}={phase.sizes}"
+            )
+        else:
+            logger.info(
+                f"Capture target {phase.name} {self.kind} graph begin. backend={phase.backend.name}, "
+                f"{shape}={phase.sizes}, avail mem={avail_mem}"
+            )
+        label = phase.name if self.role == "target" else f"{self.role} {phase.name}"
+        desc = "Capturing " + ("draft " if self.role == "draft" else "")
+        desc += "batches" if phase.name == "decode" else "num tokens"
         bar = tqdm(sizes, desc=desc, leave=False)
         for i, size in enumerate(bar):
             avail = available_gb(self.device)
             bar.set_description(f"{desc} ({phase.unit}={size} avail_mem={avail:.2f} GiB)")
             if on_progress:
-                on_progress({"graph": phase.name, "shape": f"{phase.unit}={size}", "done": i, "total": len(sizes),
+                on_progress({"graph": label, "shape": f"{phase.unit}={size}", "done": i, "total": len(sizes),
                              "avail_mem_gb": round(avail, 2)})  # fmt: skip
             phase.records[size] = self._capture_one(phase, size)
         phase.seconds, phase.mem_bytes = (
             time.perf_counter() - t0,
             max(0, used_memory_bytes(self.device) - mem0),
         )
+        if self.role == "draft":
+            logger.info(
+                f"Capture draft {self.kind.lower()} graph end. Time elapsed: {phase.seconds:.2f} s. "
+                f"mem usage={gib(phase.mem_bytes)}. avail mem={gib(available_memory_bytes(self.device))}."
+            )
+            return
         logger.info(
             f"Capture target {phase.name} {self.kind} graph end. elapsed={phase.seconds:.2f} s, "
             f"mem usage={gib(phase.mem_bytes)}, avail mem={gib(available_memory_bytes(self.device))}."

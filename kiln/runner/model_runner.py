@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kiln.core.forward_batch import ForwardBatch
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.core.sharding import divide, kv_heads_per_rank
 from kiln.core.units import gib
 from kiln.distributed import tp_size
@@ -18,6 +18,7 @@ from kiln.loader.weights import LoadedModel, load_model
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import KVPool, LatentKVPool
 from kiln.memory.req_to_token import ReqToTokenPool
+from kiln.memory.state_pool import StatePool
 from kiln.models.config import ModelConfig
 from kiln.platform import available_memory_bytes, current_rss_bytes
 from kiln.runner.attention import AttentionBackend, make_attention_backend
@@ -31,6 +32,7 @@ class PoolSizes:
     max_running_requests: int
     context_len: int
     page_size: int
+    state_slots: int = 0  # hybrid models: working slots (one per table row) + the prefix cache's checkpoints
 
 
 class ModelRunner:
@@ -40,7 +42,9 @@ class ModelRunner:
         self.measured: dict[str, int] = {}
         self.graphs = None  # a GraphRunner once decode graphs were captured
         self.attn_backend: AttentionBackend | None = None  # chosen with the KV pool it reads
+        self.state_pool: StatePool | None = None  # hybrid models' linear-layer states
         self.last_forward_graph = False
+        self.last_hidden: torch.Tensor | None = None  # the last forward's [rows, width], if kept
 
     def _avail(self) -> str:
         return gib(available_memory_bytes(self.device))
@@ -65,10 +69,9 @@ class ModelRunner:
 
     @staticmethod
     def _log_prepacked(loaded: LoadedModel, params: dict, head_copy: torch.Tensor | None) -> None:
-        quantized = sum(p.dtype == torch.uint8 for p in params.values()) + (
-            head_copy is not None and head_copy.dtype == torch.uint8
-        )
-        kept = f", {quantized} of them in their GGUF blocks (Q4_1 / Q8_0)" if quantized else ""
+        # e.g. "120 Q4_1 (integer), 1 Q8_0 (integer), 0 float32": the GGUF types kept and how they multiply
+        formats = ", ".join(f"{n} {name}" for name, n in sorted(loaded.packed_formats.items()))
+        kept = f": {formats}" if formats else ""
         logger.info(
             f"Prepacked {loaded.prepacked_weights} linear weights into {packed_layout_name()} CPU layout{kept}."
         )
@@ -80,9 +83,32 @@ class ModelRunner:
         tokens, page = sizes.max_total_num_tokens, sizes.page_size
         if cfg.mla is not None:
             width = cfg.mla.latent_width
-            return LatentKVPool(tokens, page, cfg.num_layers, width, self.kv_dtype, self.device)
+            return LatentKVPool(tokens, page, cfg.num_kv_layers, width, self.kv_dtype, self.device)
         heads = kv_heads_per_rank(cfg.num_kv_heads, tp_size())
-        return KVPool(tokens, page, cfg.num_layers, heads, cfg.head_dim, self.kv_dtype, self.device)
+        return KVPool(tokens, page, cfg.num_kv_layers, heads, cfg.head_dim, self.kv_dtype, self.device)
+
+    def _make_state_pool(self, sizes: PoolSizes) -> None:
+        """A hybrid model's linear-layer states, one slot per request-table row (a request's working slot is its
+        row); the model reads them through its state_pool attribute."""
+        spec = self.model_config.linear_attention
+        if spec is None:
+            return
+        self.state_pool = StatePool(
+            max(sizes.state_slots, sizes.max_running_requests),
+            len(spec.linear_layers),
+            spec.conv_shape,
+            spec.ssm_shape,
+            self.dtype,
+            self.device,
+            ssm_dtype=torch.float32,  # the delta rule's state is float32 whatever the model dtype (the ledger's)
+        )
+        self.model.state_pool = self.state_pool
+        self.measured["state_pool"] = self.state_pool.nbytes
+        logger.info(
+            f"State pool is allocated. #slots: {self.state_pool.num_slots}, conv {spec.conv_shape} "
+            f"{self.dtype}, recurrent {spec.ssm_shape} {self.state_pool.ssm.dtype} x "
+            f"{len(spec.linear_layers)} linear layers, size: {gib(self.state_pool.nbytes)}"
+        )
 
     def init_memory_pool(self, sizes: PoolSizes) -> None:
         cfg, tp = self.model_config, tp_size()
@@ -92,6 +118,7 @@ class ModelRunner:
         lora = cfg.mla.kv_lora_rank if cfg.mla is not None else 0
         self.attn_backend = make_attention_backend(self.kv_pool, divide(cfg.num_heads, tp), self.dtype, lora)
         self.model.attn = self.attn_backend
+        self._make_state_pool(sizes)
         self.measured["kv_pool"] = self.kv_pool.k_bytes + self.kv_pool.v_bytes
         self.measured["req_table"] = self.table.req_to_token.nbytes
         self.measured["rss_after_pool"] = current_rss_bytes()
@@ -114,5 +141,9 @@ class ModelRunner:
             self.last_forward_graph = logits is not None
             if logits is None:
                 logits = self.model(fb)
+        # the hidden states a draft head reads (the model keeps them once a drafter asked): a replayed decode
+        # graph leaves the model's attribute as it was at capture, so it hands none out
+        replayed = self.last_forward_graph and fb.mode == ForwardMode.DECODE
+        self.last_hidden = None if replayed else getattr(self.model, "last_hidden", None)
         self.last_forward_seconds = time.perf_counter() - t0
         return logits

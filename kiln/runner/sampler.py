@@ -31,6 +31,9 @@ __all__ = [
     "apply_penalties",
     "apply_vocab_masks",
     "argmax_ids",
+    "target_probs",
+    "is_plain_greedy",
+    "logprobs_of",
 ]
 
 
@@ -64,6 +67,11 @@ def _needs_processing(row: SamplingRow) -> bool:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return p.is_greedy and not _needs_processing(row) and not _wants_logprobs(p)
+
+
+def is_plain_greedy(row: SamplingRow) -> bool:
+    """A greedy row whose token is the plain argmax of its logits: nothing to process, no logprobs."""
+    return _is_plain_greedy(row)
 
 
 def argmax_ids(logits: torch.Tensor) -> list[int]:
@@ -322,4 +330,54 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     lp_idx = [i for i, r in enumerate(rows) if _wants_logprobs(r.params)]
     if lp_idx:
         _logprobs(logits, rows, lp_idx, chosen, out)
+    return out
+
+
+def _filtered_probs(w: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Weights w [N, V] (max exactly 1 per row) restricted by each row's top-k / top-p / min-p, as the draws
+    above apply them (independent masks over the distribution sorted by weight, the most likely always kept),
+    then normalised."""
+    vocab, dev = w.shape[-1], w.device
+    vals, order = w.sort(dim=-1, descending=True)
+    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=w.dtype, device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=w.dtype, device=dev)
+    mass = (vals.sum(-1) * top_p).masked_fill_(top_p >= 1.0, float("inf")).unsqueeze(-1)
+    keep = torch.arange(vocab, device=dev) < top_k.unsqueeze(-1)
+    keep &= (vals.cumsum(-1) - vals) < mass
+    keep &= vals >= min_p.unsqueeze(-1)
+    keep[:, 0] = True
+    probs = torch.zeros_like(w).scatter_(-1, order, vals * keep)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def target_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution `sample` draws each row's token from, as probabilities [N, V] (float32): speculative
+    verification accepts and resamples against exactly this, so that it keeps the sampler's distribution. A
+    greedy row is a point mass on its argmax."""
+    rows = list(rows)
+    processed = process_logits(logits, rows)
+    probs = torch.zeros_like(processed)
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=processed.device)
+        winners = torch.tensor(argmax_ids(processed[index]), device=processed.device)
+        probs[index, winners] = 1.0
+    if sampled:
+        index = torch.tensor(sampled, device=processed.device)
+        temp = torch.tensor([rows[i].params.temperature for i in sampled], device=processed.device)
+        x = processed[index]
+        w = ((x - x.amax(-1, keepdim=True)) / temp.unsqueeze(-1)).exp()
+        probs[index] = _filtered_probs(w, [rows[i] for i in sampled])
+    return probs
+
+
+def logprobs_of(logits: torch.Tensor, rows: list[SamplingRow], chosen: list[int]) -> SampleOutput:
+    """The logprobs `sample` would report for tokens already chosen (by speculative verification), one per
+    row of logits [len(rows), V]."""
+    out = SampleOutput(list(chosen), [None] * len(rows), [None] * len(rows))
+    wanted = [i for i, r in enumerate(rows) if _wants_logprobs(r.params)]
+    if wanted:
+        _logprobs(logits, rows, wanted, list(chosen), out)
     return out

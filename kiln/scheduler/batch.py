@@ -31,6 +31,7 @@ def build_extend(reqs: list[Req], table: ReqToTokenPool) -> ForwardBatch:
         extend_lens=[r.extend_len for r in reqs],
         prefix_lens=[r.kv_len for r in reqs],
         seq_slots=slots,
+        state_slots=torch.tensor([r.table_idx for r in reqs], dtype=torch.int64),
     )
 
 
@@ -38,13 +39,7 @@ def build_decode(reqs: list[Req], table: ReqToTokenPool, new_slots: torch.Tensor
     """One token per request at position kv_len; its slot is already in the table."""
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
     seq_lens = torch.tensor([r.kv_len + 1 for r in reqs], dtype=torch.int64)
-    max_len = int(seq_lens.max())
-    kv_table = table.req_to_token[rows, :max_len]
-    mask = None
-    if int(seq_lens.min()) != max_len:
-        valid = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)
-        kv_table = kv_table.masked_fill(~valid.to(kv_table.device), 0)
-        mask = valid.view(len(reqs), 1, 1, max_len)
+    kv_table, mask = table.decode_table(rows, seq_lens)
     return ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=torch.tensor([r.last_token for r in reqs], dtype=torch.int64),
@@ -53,4 +48,5 @@ def build_decode(reqs: list[Req], table: ReqToTokenPool, new_slots: torch.Tensor
         logits_index=torch.arange(len(reqs)),
         kv_table=kv_table,
         kv_mask=mask,
+        state_slots=rows,
     )

@@ -61,6 +61,20 @@ class ReqOutput:
     num_retractions: int = 0
     queue_time: float | None = None  # seconds from arrival to first admission, on the first output only
     error: str | None = None  # set for requests that failed inside the engine (a 500 for that request alone)
+    # speculative decoding (zero without): decode steps the request took part in, and its drafts accepted
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
+
+    def spec_meta(self) -> dict[str, Any]:
+        """meta_info's speculative fields as SGLang sends them (spec_accept_length = completion tokens per
+        verify, the bonus token included); empty without speculative decoding."""
+        if not self.spec_verify_ct:
+            return {}
+        return {
+            "spec_accept_length": self.completion_tokens / self.spec_verify_ct,
+            "spec_verify_ct": self.spec_verify_ct,
+            "spec_num_correct_drafts": self.spec_accepted_drafts,
+        }
 
 
 @dataclass
@@ -138,6 +152,12 @@ class SchedulerStats:
     storage_bytes_written: int = 0
     storage_load_seconds: float = 0.0
     storage_skipped_files: int = 0
+    # speculative decoding (zero without): request-verifies and accepted drafts since startup, and SGLang's
+    # gauges from them (accepted drafts + 1 per verify; accepted over num_draft_tokens - 1 per verify)
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
+    spec_accept_length: float = 0.0
+    spec_accept_rate: float = 0.0
 
     def counters(self) -> dict[str, int]:
         """The counters alone, by name (the `stats` object of /get_server_info)."""

@@ -9,6 +9,7 @@ from kiln.memory.allocator import TokenAllocator
 from kiln.memory.hiradix_cache import HiRadixCache
 from kiln.memory.prefix_cache import PrefixCache
 from kiln.memory.req_to_token import ReqToTokenPool
+from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.scheduler.req import Req
 
 
@@ -62,6 +63,7 @@ class KVManager:
                 self.table.req_to_token[idx, :n] = m.indices
                 self.cache.lock(m.node)
                 req.node, req.cached_len, req.kv_len = m.node, n, n
+            self.cache.restore_state(req.node, idx)  # hybrid models: the checkpoint the match ends at
         if not self._alloc_extend(req, extend_len):
             if req.kv_len == 0 or req.kv_len == req.cached_len:
                 self.release(req)
@@ -91,6 +93,29 @@ class KVManager:
             self.table.req_to_token[rows, torch.tensor(lens)] = slots
         return slots
 
+    def alloc_verify(self, reqs: list[Req], counts: list[int]) -> bool:
+        """Slots for counts[i] tokens past each request's kv_len (a verify step: the last token and its drafts),
+        written into the table rows; False, with nothing taken, when they do not fit."""
+        lens = [r.kv_len for r in reqs]
+        if not self.ensure_free(sum(self._pages(n + c) - self._pages(n) for n, c in zip(lens, counts))):
+            return False
+        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
+        last = self.table.req_to_token[rows, torch.tensor(lens, dtype=torch.int64) - 1].tolist()
+        slots = self.allocator.alloc_extend(lens, last, counts)
+        if slots is None:
+            return False
+        for r, piece in zip(reqs, slots.split(counts)):
+            self.table.req_to_token[r.table_idx, r.kv_len : r.kv_len + piece.numel()] = piece
+        return True
+
+    def trim(self, req: Req, keep: int, allocated: int) -> None:
+        """After a verify: the request keeps the KV of its first `keep` tokens; the slots of rejected drafts up
+        to `allocated` go back to the pool (whole pages only: the page holding token keep - 1 stays)."""
+        start = self._pages(keep)
+        if allocated > start:
+            self.allocator.free(self.table.req_to_token[req.table_idx, start:allocated].clone())
+        req.kv_len = keep
+
     def decode_fits(self, n_reqs: int) -> bool:
         return self.allocator.available_size() + self.cache.evictable_size() >= n_reqs * self.page_size
 
@@ -107,13 +132,24 @@ class KVManager:
         already = self.cache.insert(key, slots)
         if already > req.cached_len:
             self.allocator.free(slots[req.cached_len : already])
-        m = self.cache.match_prefix(key)
+        m = self.cache.match_stored(key)
         n = int(m.indices.numel())
         self.table.req_to_token[req.table_idx, :n] = m.indices
         self.cache.lock(m.node)
         if req.node is not None:
             self.cache.unlock(req.node)
         req.node, req.cached_len = m.node, n
+        if n == req.kv_len and self.cache.wants_checkpoint(n):
+            self.cache.keep_state(m.node, req.table_idx)
+
+    def track_states(self, reqs: list[Req]) -> None:
+        """After a decode step: hybrid models' requests whose state reached a checkpoint point publish their
+        tokens and leave a copy of the state with them in the prefix cache."""
+        if not self.radix_enabled:
+            return
+        for req in reqs:
+            if self.cache.wants_checkpoint(req.kv_len):
+                self.cache_unfinished(req)
 
     def cache_finished(self, req: Req) -> None:
         """At the end: hand the sequence's KV to the prefix cache, free the rest and the table row."""
@@ -126,7 +162,15 @@ class KVManager:
             self.allocator.free(slots[req.cached_len : already])
         if req.kv_len > aligned:
             self.allocator.free(slots[aligned:])
+        self._keep_final_state(req, aligned)
         self._drop(req)
+
+    def _keep_final_state(self, req: Req, aligned: int) -> None:
+        """Hybrid models: a finished request's state covers all its tokens; kept when they end on a page, so a
+        follow-up turn that extends the conversation starts from it."""
+        if not self.radix_enabled or aligned != req.kv_len or aligned == 0 or not self.cache.keeps_states():
+            return
+        self.cache.keep_state(self.cache.match_stored(req.fill_ids[:aligned]).node, req.table_idx)
 
     def release(self, req: Req) -> None:
         """Free the request's own slots without caching them (retraction, abort, failure)."""
@@ -170,4 +214,7 @@ class KVManager:
         if isinstance(self.cache, HiRadixCache):  # the host tier: every host slot held by a node or free
             host = self.cache.host_integrity()
             report.update(host=host, ok=report["ok"] and host["ok"])
+        if isinstance(self.cache, HybridRadixCache):  # the state pool: working slots, checkpoints, free
+            states = self.cache.state_integrity(self.table.available_size(), len(live))
+            report.update(states=states, ok=report["ok"] and states["ok"])
         return report

@@ -15,9 +15,11 @@ import kiln.core.sharding as sharding
 import kiln.distributed as distributed
 import kiln.memory.storage_tier as storage_tier
 from kiln.config import ServerArgs
-from kiln.core.dtypes import torch_dtype
+from kiln.core.dtypes import kv_torch_dtype, torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
+from kiln.layers.kernel_builds import build_kernels, kernels_for
 from kiln.loader.model_config import read_hf_config, resolve_model_path
+from kiln.memory.kv_pool import copyable
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table
 from kiln.memory.ledger_types import Ledger, LedgerInputs
@@ -25,6 +27,10 @@ from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.scheduler.scheduler import Scheduler
+from kiln.scheduler.spec_step import SpecDecoder
+from kiln.speculative.base import Drafter
+from kiln.speculative.settings import SpecSettings
+from kiln.speculative.settings import resolve as resolve_speculative
 from kiln.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kiln")
@@ -89,6 +95,27 @@ def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     return f"{flags} does not divide this model's {', '.join(problems)}; tensor-parallel sizes that work: {sizes}"
 
 
+def hybrid_refusal(args: ServerArgs, model_config: ModelConfig) -> str | None:
+    """What a hybrid linear-attention model cannot be served with yet: its per-request states are not in the host
+    tier, and a verify step would advance them past rejected draft tokens."""
+    if model_config.linear_attention is None:
+        return None
+    if args.enable_hierarchical_cache:
+        return (
+            "--enable-hierarchical-cache keeps KV only: a hybrid linear-attention model's prefix cache also needs "
+            "its state checkpoints, which the host tier does not hold; serve it without the host tier"
+        )
+    if args.speculative_algorithm:
+        return (
+            f"--speculative-algorithm {args.speculative_algorithm}: a hybrid linear-attention model's state would "
+            "advance past rejected draft tokens (no per-draft-token states yet); serve it without speculation"
+        )
+    interval, page = args.mamba_track_interval, args.page_size
+    if interval % page:  # checkpoints sit where the radix tree can split: at page ends
+        return f"--mamba-track-interval {interval} must be a multiple of --page-size {page}"
+    return None
+
+
 def capture_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, on_progress) -> None:
     from kiln.runner.compiler import compile_cache_dir
     from kiln.runner.graph_runner import GraphRunner
@@ -115,6 +142,8 @@ def _checked_plan(args: ServerArgs, hf_config: dict) -> MemoryPlan:
     if not ledger.fits:
         raise StartupRefused(format_refusal(ledger))
     logger.info(f"mem_fraction_static={ledger.mem_fraction_static:.3f} ({ledger.mem_fraction_reason})")
+    if ledger.running_clamp:  # said before anything is allocated or captured
+        logger.warning(ledger.running_clamp)
     return plan
 
 
@@ -123,9 +152,9 @@ def _load_runner(
 ) -> ModelRunner:
     """Weights loaded in the planned dtype, then the KV pool and the request table at the planned sizes."""
     inputs, ledger = plan.inputs, plan.ledger
-    set_cpu_gemm(args.cpu_gemm)  # this load's weights are packed for the --cpu-gemm kernel
+    set_cpu_gemm(args.cpu_gemm, args.quantization)  # this load's weights are packed for the --cpu-gemm kernel
     runner = ModelRunner(
-        model_config, torch_dtype(inputs.dtype), torch_dtype(inputs.kv_cache_dtype), inputs.device
+        model_config, torch_dtype(inputs.dtype), kv_torch_dtype(inputs.kv_cache_dtype), inputs.device
     )
     runner.load(
         max(ledger.context_len, model_config.max_position_embeddings) + 8,
@@ -134,7 +163,11 @@ def _load_runner(
     )
     phase("allocating_kv", {})
     sizes = PoolSizes(
-        ledger.max_total_num_tokens, ledger.max_running_requests, ledger.context_len, args.page_size
+        ledger.max_total_num_tokens,
+        ledger.max_running_requests,
+        ledger.context_len,
+        args.page_size,
+        ledger.state_slots,
     )
     runner.init_memory_pool(sizes)
     return runner
@@ -152,7 +185,65 @@ def _start_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, phase: 
         capture_graphs(runner, ledger, args, lambda info: phase("progress", info))
 
 
-def _scheduler(runner: ModelRunner, tokenizer, ledger: Ledger, args: ServerArgs) -> Scheduler:
+def _start_draft_graphs(drafter: Drafter, ledger: Ledger, args: ServerArgs, phase: OnPhase) -> None:
+    """The draft model's decode shapes, after the target's: a startup phase of its own with its progress."""
+    from kiln.runner.compiler import compile_cache_dir
+    from kiln.speculative.draft_model import capture_draft_graphs
+
+    sizes = list(ledger.graph_batch_sizes)
+    if sizes and getattr(drafter, "runner", None) is not None:
+        phase("capture_draft", {})
+        on_progress = lambda info: phase("progress", info)  # noqa: E731
+        cache = compile_cache_dir(args.compile_cache_dir)
+        capture_draft_graphs(drafter, sizes, ledger.context_len, cache, on_progress)
+
+
+def _drafter(
+    settings: SpecSettings, runner: ModelRunner, tokenizer, ledger: Ledger, args: ServerArgs
+) -> Drafter:
+    """The drafter of --speculative-algorithm; a model drafter gets a KV pool and table of the target's sizes."""
+    if settings.algorithm == "NGRAM":
+        from kiln.speculative.ngram import NgramDrafter
+
+        return NgramDrafter()
+    path = args.speculative_draft_model_path
+    sizes = PoolSizes(
+        ledger.max_total_num_tokens, ledger.max_running_requests, ledger.context_len, args.page_size
+    )
+    if settings.algorithm == "STANDALONE" and path:
+        from kiln.speculative.draft_model import build_standalone_drafter
+
+        return build_standalone_drafter(path, runner, tokenizer, sizes, settings.num_draft)
+    if settings.algorithm in ("EAGLE", "EAGLE3") and path:
+        from kiln.speculative.eagle import build_eagle_drafter
+
+        return build_eagle_drafter(path, runner, sizes, settings.num_draft)
+    if settings.algorithm == "NEXTN":  # the model's own MTP layer: no draft path
+        from kiln.speculative.nextn import build_nextn_drafter
+
+        return build_nextn_drafter(runner, sizes, settings.num_draft)
+    raise StartupRefused(f"--speculative-algorithm {settings.algorithm} is not available in this build")
+
+
+def _spec_decoder(
+    settings: SpecSettings | None, runner: ModelRunner, tokenizer, ledger: Ledger, args: ServerArgs
+) -> SpecDecoder | None:
+    if settings is None:
+        return None
+    try:
+        drafter = _drafter(settings, runner, tokenizer, ledger, args)
+    except ValueError as e:  # a draft that does not fit the target (DraftRefused)
+        raise StartupRefused(str(e)) from e
+    logger.info(
+        f"Speculative decoding: {settings.algorithm}, speculative_num_steps={settings.num_steps}, "
+        f"speculative_eagle_topk={settings.topk}, speculative_num_draft_tokens={settings.num_draft_tokens}"
+    )
+    return SpecDecoder(drafter, settings.num_draft, settings.num_draft_tokens)
+
+
+def _scheduler(
+    runner: ModelRunner, tokenizer, ledger: Ledger, args: ServerArgs, spec: SpecDecoder | None = None
+) -> Scheduler:
     return Scheduler(
         runner,
         tokenizer,
@@ -172,6 +263,8 @@ def _scheduler(runner: ModelRunner, tokenizer, ledger: Ledger, args: ServerArgs)
         host_tier_tokens=host_tier_tokens(ledger),
         hicache_write_policy=args.hicache_write_policy,
         kv_storage=kv_storage(args, runner),
+        spec=spec,
+        mamba_track_interval=args.mamba_track_interval,
     )
 
 
@@ -186,7 +279,7 @@ def kv_storage(args: ServerArgs, runner: ModelRunner) -> FileStorageTier | None:
         "tp": [distributed.tp_rank(), distributed.tp_size()],
         "page_size": args.page_size,
     }
-    tensors = [*runner.kv_pool.k, *runner.kv_pool.v]
+    tensors = [copyable(t) for t in (*runner.kv_pool.k, *runner.kv_pool.v)]
     block = math.lcm(storage_tier.DEFAULT_BLOCK_TOKENS, args.page_size)
     root = args.hicache_storage_dir or storage_tier.default_storage_dir()
     return FileStorageTier(root, storage_tier.model_fingerprint(identity), tensors, block)
@@ -219,11 +312,24 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
     if device == "cpu":
         torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))
     model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
+    try:
+        spec_settings = resolve_speculative(args, model_config.architecture)
+    except ValueError as e:
+        raise StartupRefused(str(e)) from e
+    refusal = hybrid_refusal(args, model_config)
+    if refusal:
+        raise StartupRefused(refusal)
+    if device == "cpu":  # its own phase: a first build compiles for a minute or more
+        build_kernels(kernels_for(args.cpu_gemm, args.quantization), phase)
     phase("loading_weights", {})
     tokenizer = load_tokenizer(args.model_path, args.tokenizer_path, args.chat_template)
     runner = _load_runner(args, plan, model_config, phase)
+    # the drafter first: an EAGLE head sets the target to keep hidden states, which its captured steps then do
+    spec = _spec_decoder(spec_settings, runner, tokenizer, ledger, args)
     _start_graphs(runner, ledger, args, phase)
-    scheduler = _scheduler(runner, tokenizer, ledger, args)
+    if spec is not None:
+        _start_draft_graphs(spec.drafter, ledger, args, phase)
+    scheduler = _scheduler(runner, tokenizer, ledger, args, spec)
     logger.info(
         f"max_total_num_tokens={ledger.max_total_num_tokens}, chunked_prefill_size={ledger.chunked_prefill_size}, "
         f"max_prefill_tokens={ledger.max_prefill_tokens}, max_running_requests={ledger.max_running_requests}, "

@@ -19,9 +19,10 @@ class OutputProcessor:
             ids |= self.eos_ids
         return ids
 
-    def banned_ids(self, req: Req) -> list[int]:
-        """EOS and stop ids may not end a request before min_new_tokens."""
-        if len(req.output_ids) >= req.params.min_new_tokens:
+    def banned_ids(self, req: Req, ahead: int = 0) -> list[int]:
+        """EOS and stop ids may not end a request before min_new_tokens (`ahead`: with that many more output
+        tokens, as a speculative verify row sees the request)."""
+        if len(req.output_ids) + ahead >= req.params.min_new_tokens:
             return []
         return sorted(self._stop_ids(req) | self.eos_ids)
 

@@ -19,6 +19,7 @@ from kiln.memory.hiradix_cache import HiRadixCache
 from kiln.memory.host_pool import HostKVPool
 from kiln.memory.prefix_cache import NoPrefixCache, PrefixCache
 from kiln.memory.radix_cache import RadixCache
+from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.runner.model_runner import ModelRunner
 from kiln.runner.sampler import SamplingRow, sample
@@ -29,6 +30,7 @@ from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.prefill import PrefillAdder
 from kiln.scheduler.req import Req
+from kiln.scheduler.spec_step import SpecDecoder
 from kiln.scheduler.validate import Limits, validate_request
 from kiln.structured.backend import make_backend
 from kiln.structured.cache import GrammarCache
@@ -52,11 +54,15 @@ def make_prefix_cache(
     host_tier_tokens: int,
     write_policy: str,
     storage: FileStorageTier | None = None,
+    track_interval: int = 256,
 ) -> PrefixCache:
     """The prefix cache: none, the radix tree, or (--enable-hierarchical-cache) the radix tree over the device
     pool, a host tier of host_tier_tokens and, if given, a storage tier."""
     if disabled:
         return NoPrefixCache(runner.allocator, page_size)
+    states = getattr(runner, "state_pool", None)
+    if states is not None:  # a hybrid model: the tree keeps state checkpoints in the pool's spare slots
+        return HybridRadixCache(runner.allocator, page_size, states, runner.table.size, track_interval)
     if host_tier_tokens > 0:
         host = HostKVPool(runner.kv_pool, host_tier_tokens)
         return HiRadixCache(runner.allocator, host, write_policy, storage)
@@ -85,12 +91,20 @@ class Scheduler:
         hicache_write_policy: str = "write_through",
         kv_storage: FileStorageTier | None = None,
         grammar_backend: str = "llguidance",
+        spec: SpecDecoder | None = None,
+        mamba_track_interval: int = 256,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
         allocator = runner.allocator
         cache = make_prefix_cache(
-            runner, page_size, disable_radix_cache, host_tier_tokens, hicache_write_policy, kv_storage
+            runner,
+            page_size,
+            disable_radix_cache,
+            host_tier_tokens,
+            hicache_write_policy,
+            kv_storage,
+            mamba_track_interval,
         )
         self.kv = KVManager(allocator, runner.table, cache, radix_enabled=not disable_radix_cache)
         cfg = runner.model_config
@@ -115,6 +129,7 @@ class Scheduler:
         self.grammars = GrammarCache(backend) if backend is not None else None
         self.grammar_queue: list[Req] = []  # constrained requests whose matcher is compiling
         self.decode_log_interval = decode_log_interval
+        self.spec = spec  # speculative decoding: decode steps verify the drafter's chains
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -231,6 +246,8 @@ class Scheduler:
     def take_outputs(self) -> list[ReqOutput]:
         """The outputs produced since the last step or take, handed over once."""
         out, self.outbox = self.outbox, []
+        if self.spec is not None:
+            self.spec.annotate(out)
         return out
 
     def _expire_deadlines(self) -> None:
@@ -299,7 +316,7 @@ class Scheduler:
         except Exception as e:  # one bad batch fails its requests, never the loop
             self._fail_batch(reqs, e)
             return
-        done, rows = [], []
+        done, rows, starts = [], [], [r.kv_len for r in reqs]
         for i, r in enumerate(reqs):
             r.kv_len += r.extend_len
             if r.prefill_done:
@@ -318,30 +335,59 @@ class Scheduler:
         if sampled:
             self.running.extend(r for r, _ in sampled)
             self._sample_and_process([r for r, _ in sampled], logits[[i for _, i in sampled]])
+        if self.spec is not None:
+            self._prefilled_for_drafter(reqs, starts)
+
+    def _prefilled_for_drafter(self, reqs: list[Req], starts: list[int]) -> None:
+        """A drafter reading the target's hidden states (EAGLE) hears each prefilled chunk: its rows' hidden
+        states and the tokens they predicted (the sequence's next tokens, the sampled one last)."""
+        hidden, row = getattr(self.runner, "last_hidden", None), 0
+        if hidden is None:
+            return
+        for r, start in zip(reqs, starts):
+            count = r.kv_len - start
+            if not r.finished:
+                tokens = r.fill_ids[start + 1 : r.kv_len + 1]
+                self.spec.drafter.accepted(r.rid, tokens, hidden[row : row + count])
+            row += count
 
     def _run_decode(self) -> None:
         if not self.kv.decode_fits(len(self.running)):
             self._retract()
         if not self.running:
             return
-        slots = self.kv.alloc_decode(self.running)
-        if slots is None:
+        produced = self.spec.run(self) if self.spec is not None else None
+        if produced is None:
+            produced = self._decode_one_token()
+        if not produced:
             return
-        fb = build_decode(self.running, self.kv.table, slots)
-        try:
-            logits = self.runner.forward(fb)
-        except Exception as e:
-            self._fail_batch(list(self.running), e)
-            return
-        for r in self.running:
-            r.kv_len += 1
         self.counters.decode_steps += 1
         self.new_token_ratio = max(
             self.min_ratio,
             self.new_token_ratio - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
         )
-        self._sample_and_process(list(self.running), logits)
-        self._log_decode(len(fb.logits_index))
+        self._log_decode(produced)
+
+    def _decode_one_token(self) -> int:
+        """A plain decode step: one token for every running request; the number of requests it ran (0 when
+        nothing ran)."""
+        reqs = list(self.running)
+        slots = self.kv.alloc_decode(reqs)
+        if slots is None:
+            return 0
+        fb = build_decode(reqs, self.kv.table, slots)
+        try:
+            logits = self.runner.forward(fb)
+        except Exception as e:
+            self._fail_batch(reqs, e)
+            return 0
+        for r in reqs:
+            r.kv_len += 1
+        self.kv.track_states(reqs)  # hybrid models: state checkpoints every --mamba-track-interval tokens
+        self._sample_and_process(reqs, logits)
+        if self.spec is not None:
+            self.spec.after_plain_decode(reqs, getattr(self.runner, "last_hidden", None))
+        return len(reqs)
 
     def _retract(self) -> None:
         """Free the KV of the requests with the least progress until one more decode step fits."""
@@ -358,6 +404,8 @@ class Scheduler:
             victim = order.pop(0)
             self.running.remove(victim)
             self.kv.release(victim)
+            if self.spec is not None:
+                self.spec.release(victim.rid)
             victim.num_retractions += 1
             retracted.append(victim)
         for r in reversed(retracted):
@@ -422,6 +470,8 @@ class Scheduler:
 
     def _emit(self, req: Req) -> None:
         self.reqs.pop(req.rid, None)
+        if self.spec is not None:
+            self.spec.release(req.rid)
         if req.log_metrics:
             self.counters.cached_tokens += req.cached_tokens
         self.outbox.append(self.out.flush_output(req))
@@ -464,8 +514,14 @@ class Scheduler:
         logger.info(
             f"Decode batch, #running-req: {len(self.running)}, #token: {self.used_tokens()}, "
             f"token usage: {self.token_usage():.2f}, cuda graph: {self.runner.last_forward_graph}, gen throughput (token/s): {tput:.2f}, "
-            f"#queue-req: {len(self.waiting)}{self._comm_share(elapsed)}"
+            f"{self._spec_log()}#queue-req: {len(self.waiting)}{self._comm_share(elapsed)}"
         )
+
+    def _spec_log(self) -> str:
+        """SGLang's accept figures in the decode line, with speculative decoding on."""
+        if self.spec is None:
+            return ""
+        return f"accept len: {self.spec.accept_length():.2f}, accept rate: {self.spec.accept_rate():.2f}, "
 
     def _comm_share(self, elapsed: float) -> str:
         """With several ranks: the share of the time since the last decode log that rank 0 spent in collectives."""
@@ -499,7 +555,18 @@ class Scheduler:
             **asdict(self.counters),
             **self._grammar_stats(),
             **self.kv.tier_stats(),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        return {
+            "spec_verify_ct": self.spec.totals.verify_ct,
+            "spec_accepted_drafts": self.spec.totals.accepted_drafts,
+            "spec_accept_length": self.spec.accept_length(),
+            "spec_accept_rate": self.spec.accept_rate(),
+        }
 
     def _grammar_stats(self) -> dict:
         if self.grammars is None:

@@ -145,6 +145,22 @@ SGLANG_ENGINE_FIELDS = {
     ),
     "aborted": ("sglang:num_aborted_requests_total", "Number of requests aborted.", "counter", FRONT_LABELS),
 }
+# Speculative decoding's gauges, exported once the engine has verified drafts (a server without speculation
+# does not export them as constant zeros).
+SGLANG_SPEC_FIELDS = {
+    "spec_accept_length": (
+        "sglang:spec_accept_length",
+        "Mean acceptance length of speculative decoding (accepted drafts + bonus token per forward).",
+        "gauge",
+        SCHEDULER_LABELS,
+    ),
+    "spec_accept_rate": (
+        "sglang:spec_accept_rate",
+        "Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).",
+        "gauge",
+        SCHEDULER_LABELS,
+    ),
+}
 
 # Seconds of engine reports behind sglang:gen_throughput and sglang:cache_hit_rate. SGLang reports both per
 # logging interval (the last decode interval, the last prefill batch), not since startup; a few heartbeats'
@@ -234,7 +250,10 @@ class _EngineCollector:
         return [self.label_values[label] for label in labels]
 
     def _collect_sglang(self):
-        for key, (name, doc, kind, labels) in SGLANG_ENGINE_FIELDS.items():
+        fields = dict(SGLANG_ENGINE_FIELDS)
+        if self.stats.spec_verify_ct:
+            fields.update(SGLANG_SPEC_FIELDS)
+        for key, (name, doc, kind, labels) in fields.items():
             family = _family(name, doc, kind, labels)
             family.add_metric(self._values(labels), float(getattr(self.stats, key)))
             yield family

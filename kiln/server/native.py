@@ -64,6 +64,7 @@ def native_body(tokenizer, result: OutputAccumulator, shape: LogprobShape | None
         "completion_tokens": last.completion_tokens,
         "cached_tokens": last.cached_tokens,
         "num_retractions": last.num_retractions,
+        **last.spec_meta(),
     }
     if shape is not None:
         meta.update(logprob_fields(tokenizer, result.logprobs, shape))

@@ -197,7 +197,10 @@ def sglang_server_info(args: ServerArgs, engine: EngineState) -> dict:
                     "token_capacity": info.max_total_num_tokens,
                     "graph": 0,
                 },
-                "avg_spec_accept_length": None,
+                # None without speculative decoding, as SGLang; `kiln bench` prints "Accept length" from it
+                "avg_spec_accept_length": engine.stats.spec_accept_length
+                if engine.stats.spec_verify_ct
+                else None,
             }
         ],
         "version": kiln_version(),

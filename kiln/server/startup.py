@@ -1,5 +1,7 @@
-"""Startup as a state machine: launching -> loading_weights -> allocating_kv -> capturing -> warming_up -> ready,
-or failed(phase, reason, hint). Read by the log, /status, the probes and the --startup-events file."""
+"""Startup as a state machine: launching -> building_kernels -> loading_weights -> allocating_kv -> capturing ->
+warming_up -> ready, or failed(phase, reason, hint). Read by the log, /status, the probes and the --startup-events
+file. building_kernels (CPU runs of Kiln's kernels only) loads Kiln's C++ extensions, compiling them on a first
+start (kiln.layers.kernel_builds); /status keeps what each load took under "kernels"."""
 
 from __future__ import annotations
 
@@ -10,7 +12,16 @@ import time
 
 logger = logging.getLogger("kiln")
 
-PHASES = ["launching", "loading_weights", "allocating_kv", "capturing", "warming_up", "ready"]
+PHASES = [
+    "launching",
+    "building_kernels",
+    "loading_weights",
+    "allocating_kv",
+    "capturing",
+    "capture_draft",
+    "warming_up",
+    "ready",
+]
 
 
 class StartupState:
@@ -22,6 +33,8 @@ class StartupState:
         self.ledger: dict | None = None
         self.memory_check: list | None = None
         self.graphs: dict | None = None
+        # what loading each Kiln extension took: building_kernels' last report
+        self.kernels: list | None = None
         self._t0 = self._phase_start = time.time()
         self._events_file = events_file
         self._lock = threading.Lock()
@@ -46,6 +59,8 @@ class StartupState:
 
     def step(self, **progress) -> None:
         self.progress = progress
+        if self.phase == "building_kernels" and "kernels" in progress:
+            self.kernels = progress["kernels"]
         self._emit({"event": "progress", "phase": self.phase, **progress})
 
     def fail(self, reason: str, hint: str = "") -> None:
@@ -69,6 +84,7 @@ class StartupState:
             "ledger": self.ledger,
             "memory_check": self.memory_check,
             "graphs": self.graphs,
+            "kernels": self.kernels,
         }
 
     def _emit(self, record: dict) -> None:

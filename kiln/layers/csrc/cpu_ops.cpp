@@ -1,12 +1,15 @@
 // Kiln's CPU kernels for the per-token work of a decode step around the matmuls: RMSNorm, and decode attention
 // read straight from the paged KV pool. Each replaces a chain of small ATen ops (RMSNorm's pow / mean / rsqrt /
 // mul; attention's two index_select gathers and SDPA) whose per-call overhead is most of a batch-1 step's
-// time outside the matmuls (docs/benchmarks.md). float32 only; the Python side falls back to ATen otherwise.
+// time outside the matmuls (docs/benchmarks.md). float32 queries and arithmetic; the KV pool is float32, bfloat16,
+// float16 or fp8 (e4m3fn / e5m2), each element converted to float32 in registers as it is read, so a narrower pool
+// is read at its own width and never copied out in float32. The Python side falls back to ATen otherwise.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -50,33 +53,131 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The element types of a KV pool, by their bits. Each converts to float32 exactly: bfloat16 is float32's upper half
+// (a shift); float16 converts with F16C; an fp8 byte widens to the float16 of the same value, up to a power of two,
+// and a single byte reads a 256-entry table of the format's values.
+struct Bf16 {
+  uint16_t bits;
+};
+struct Half {
+  uint16_t bits;
+};
+
+// the float32 value of every byte of an fp8 format with `exponent` exponent bits (the rest mantissa, no scale):
+// e4m3fn has no infinities and one NaN per sign (all bits set); e5m2 keeps IEEE's infinities and NaNs
+static std::array<float, 256> fp8_values(int exponent) {
+  const int mantissa = 7 - exponent, bias = (1 << (exponent - 1)) - 1, top = (1 << exponent) - 1;
+  std::array<float, 256> values{};
+  for (int b = 0; b < 256; ++b) {
+    const int e = (b >> mantissa) & top, m = b & ((1 << mantissa) - 1);
+    const float sign = (b & 0x80) ? -1.f : 1.f;
+    float v;
+    if (exponent == 4 && e == top && m == (1 << mantissa) - 1)
+      v = NAN;
+    else if (exponent == 5 && e == top)
+      v = m == 0 ? INFINITY : NAN;
+    else if (e == 0)
+      v = std::ldexp(static_cast<float>(m), 1 - bias - mantissa);
+    else
+      v = std::ldexp(static_cast<float>(m + (1 << mantissa)), e - bias - mantissa);
+    values[b] = sign * v;
+  }
+  return values;
+}
+
+static const std::array<float, 256> kE4m3Values = fp8_values(4), kE5m2Values = fp8_values(5);
+
+// eight fp8 bytes from p, each the upper byte of a 16-bit lane
+static inline __m128i fp8_in_upper_bytes(const void* p) {
+  return _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(static_cast<const __m128i*>(p)));
+}
+
+// e5m2 is float16's upper byte: the byte in a lane's upper half is the float16 of its value, infinities and NaNs
+// included
+struct E5m2 {
+  uint8_t bits;
+  static __m256 eight(const E5m2* p) { return _mm256_cvtph_ps(fp8_in_upper_bytes(p)); }
+  static float one(const E5m2* p) { return kE5m2Values[p->bits]; }
+};
+
+// e4m3fn's bits shifted one place into float16's (the sign kept in place, an arithmetic shift's copy of it cleared)
+// read as a float16 2^8 times too small, its subnormals included (they land on float16 subnormals of the same
+// digits); the byte of all ones but the sign is NaN
+struct E4m3 {
+  uint8_t bits;
+  static __m256 eight(const E4m3* p) {
+    const __m128i half = _mm_and_si128(_mm_srai_epi16(fp8_in_upper_bytes(p), 1), _mm_set1_epi16(-0x4001));
+    const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(half, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x3F80));
+    return _mm256_blendv_ps(value, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
+  }
+  static float one(const E4m3* p) { return kE4m3Values[p->bits]; }
+};
+
+// eight and one element(s) of a KV row as float32
+template <typename T>
+struct Kv {  // fp8: the format's own conversions
+  static __m256 eight(const T* p) { return T::eight(p); }
+  static float one(const T* p) { return T::one(p); }
+};
+template <>
+struct Kv<float> {
+  static __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+  static float one(const float* p) { return *p; }
+};
+template <>
+struct Kv<Half> {
+  static __m256 eight(const Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static float one(const Half* p) { return _cvtsh_ss(p->bits); }
+};
+template <>
+struct Kv<Bf16> {
+  static __m256 eight(const Bf16* p) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+  }
+  static float one(const Bf16* p) {
+    const uint32_t u = static_cast<uint32_t>(p->bits) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+};
+
 // sum_i a[i] * b[i], n a multiple of 8 or not
-static inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+static inline float dot(const float* a, const T* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), Kv<T>::eight(b + i), acc);
   float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * Kv<T>::one(b + i);
   return s;
 }
 
 // y[i] += p * x[i]
-static inline void axpy(float p, const float* x, float* y, int64_t n) {
+template <typename T>
+static inline void axpy(float p, const T* x, float* y, int64_t n) {
   const __m256 pv = _mm256_set1_ps(p);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += p * x[i];
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, Kv<T>::eight(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += p * Kv<T>::one(x + i);
 }
 
-// the cache lines of n floats from p, fetched ahead of their use
-static inline void prefetch_row(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+// the cache lines of n elements from p, fetched ahead of their use
+template <typename T>
+static inline void prefetch_row(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(bytes + i, _MM_HINT_T0);
 }
 
 // o[0..d) += sum over l of p[l] * V row of slot row[l] (in the layer's [S, Hk, D] pool, head h), l in order,
 // entries with p[l] == 0 skipped: the same FMAs as one axpy per slot, with o kept in registers across slots
-static inline void weighted_rows(const float* p, const int64_t* row, int64_t len, const float* vp, int64_t hk,
+template <typename T>
+static inline void weighted_rows(const float* p, const int64_t* row, int64_t len, const T* vp, int64_t hk,
                                  int64_t h, int64_t d, float* o) {
   if (d % 8 != 0) {
     for (int64_t l = 0; l < len; ++l)
@@ -92,11 +193,11 @@ static inline void weighted_rows(const float* p, const int64_t* row, int64_t len
         prefetch_row(vp + (row[l + 4] * hk + h) * d + i0, std::min<int64_t>(64, d - i0));
       if (p[l] == 0.f) continue;
       const __m256 pv = _mm256_set1_ps(p[l]);
-      const float* vr = vp + (row[l] * hk + h) * d + i0;
+      const T* vr = vp + (row[l] * hk + h) * d + i0;
       if (k == 8) {
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(pv, Kv<T>::eight(vr + 8 * j), acc[j]);
       } else {
-        for (int64_t j = 0; j < k; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+        for (int64_t j = 0; j < k; ++j) acc[j] = _mm256_fmadd_ps(pv, Kv<T>::eight(vr + 8 * j), acc[j]);
       }
     }
     for (int64_t j = 0; j < k; ++j) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
@@ -106,20 +207,21 @@ static inline void weighted_rows(const float* p, const int64_t* row, int64_t len
 // weighted_rows for G query heads of one KV head at once: o + g * d += sum over l of p[g * stride + l] * V row of
 // slot row[l], l in order. Slots before `valid` are all valid (a shared prefix): every one is added, a p == 0
 // adding an exact 0. From `valid` on a slot is skipped when every head's p is 0 (masked), and a scattered slot's V
-// row is prefetched ahead. Each V vector is loaded once for the G heads; d a multiple of 32, in passes of 32 columns.
-template <int G>
+// row is prefetched ahead. Each V vector is loaded (and converted) once for the G heads; d a multiple of 32, in
+// passes of 32 columns.
+template <int G, typename T>
 static inline void weighted_rows_heads(const float* p, int64_t stride, const int64_t* row, int64_t len,
-                                       int64_t valid, const float* vp, int64_t hk, int64_t h, int64_t d, float* o) {
+                                       int64_t valid, const T* vp, int64_t hk, int64_t h, int64_t d, float* o) {
   for (int64_t i0 = 0; i0 < d; i0 += 32) {
     __m256 acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_loadu_ps(o + g * d + i0 + 8 * j);
     auto add = [&](int64_t l) {
-      const float* vr = vp + (row[l] * hk + h) * d + i0;
+      const T* vr = vp + (row[l] * hk + h) * d + i0;
       __m256 pv[G];
       for (int g = 0; g < G; ++g) pv[g] = _mm256_broadcast_ss(p + g * stride + l);
       for (int j = 0; j < 4; ++j) {
-        const __m256 v = _mm256_loadu_ps(vr + 8 * j);
+        const __m256 v = Kv<T>::eight(vr + 8 * j);
         for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(pv[g], v, acc[g][j]);
       }
     };
@@ -211,11 +313,22 @@ static inline float exp_and_sum(float* s, int64_t n, float top) {
   return total;
 }
 
+// s[0..n) = softmax(s) in place; a row with no valid entry (all -inf: a padding row) gives zeros
+static inline void softmax_in_place(float* s, int64_t n) {
+  const float top = max_of(s, n);
+  if (top == -INFINITY) {
+    std::fill(s, s + n, 0.f);
+    return;
+  }
+  const float inv = 1.f / exp_and_sum(s, n, top);
+  for (int64_t l = 0; l < n; ++l) s[l] *= inv;
+}
+
 // the dot products q_g . rows[j] of G query heads (q + g * d) and 4 K rows, d a multiple of 8, as 4 floats per head
 // in out[g]: each K vector is loaded once for the G heads (4 x G accumulators, G <= 3 with the loads in registers).
 // Each product: 8 lanes accumulated over d in order, then lanes summed by one fixed tree (hadd, hadd, halves).
-template <int G>
-static inline void dot4(const float* q, int64_t d, const float* const* rows, __m128* out) {
+template <int G, typename T>
+static inline void dot4(const float* q, int64_t d, const T* const* rows, __m128* out) {
   __m256 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
@@ -223,7 +336,7 @@ static inline void dot4(const float* q, int64_t d, const float* const* rows, __m
     __m256 qv[G];
     for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * d + i);
     for (int j = 0; j < 4; ++j) {
-      const __m256 kv = _mm256_loadu_ps(rows[j] + i);
+      const __m256 kv = Kv<T>::eight(rows[j] + i);
       for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(qv[g], kv, acc[g][j]);
     }
   }
@@ -234,13 +347,13 @@ static inline void dot4(const float* q, int64_t d, const float* const* rows, __m
 }
 
 // scores of G heads against a full tile of 8 rows: s[g * stride + j] = (q_g . rows[j]) * sc
-template <int G>
-static inline void score_full_tile(const float* q, int64_t d, const float* const* rows, float sc, float* s,
+template <int G, typename T>
+static inline void score_full_tile(const float* q, int64_t d, const T* const* rows, float sc, float* s,
                                    int64_t stride) {
   const __m128 scv = _mm_set1_ps(sc);
   for (int half = 0; half < 2; ++half) {
     __m128 r[G];
-    dot4<G>(q, d, rows + 4 * half, r);
+    dot4<G, T>(q, d, rows + 4 * half, r);
     for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + 4 * half, _mm_mul_ps(r[g], scv));
   }
 }
@@ -248,12 +361,13 @@ static inline void score_full_tile(const float* q, int64_t d, const float* const
 // One tile of up to eight slots of a table row: their K rows (masked or out-of-pool entries point at row 0 and are
 // skipped); the query heads' scaled dot products go to s[g * stride + j], skipped slots -inf. Full tiles take the
 // query heads three at a time (score_full_tile), a K row loaded once for the three.
-static inline void score_tile(const float* qv, int64_t group, int64_t d, const float* const* rows,
+template <typename T>
+static inline void score_tile(const float* qv, int64_t group, int64_t d, const T* const* rows,
                               const bool* skip, int64_t n, float sc, float* s, int64_t stride) {
   if (n == 8 && d % 8 == 0) {
     int64_t g = 0;
-    for (; g + 3 <= group; g += 3) score_full_tile<3>(qv + g * d, d, rows, sc, s + g * stride, stride);
-    for (; g < group; ++g) score_full_tile<1>(qv + g * d, d, rows, sc, s + g * stride, stride);
+    for (; g + 3 <= group; g += 3) score_full_tile<3, T>(qv + g * d, d, rows, sc, s + g * stride, stride);
+    for (; g < group; ++g) score_full_tile<1, T>(qv + g * d, d, rows, sc, s + g * stride, stride);
   } else {
     for (int64_t g = 0; g < group; ++g)
       for (int64_t j = 0; j < n; ++j) s[g * stride + j] = dot(qv + g * d, rows[j], d) * sc;
@@ -263,98 +377,153 @@ static inline void score_tile(const float* qv, int64_t group, int64_t d, const f
       for (int64_t g = 0; g < group; ++g) s[g * stride + j] = -INFINITY;
 }
 
-// One new token per request against its KV slots in the pool: out[b, head] = softmax(q . K[slots] * scale) V[slots]
-// q [B, Hq, D]; k_cache, v_cache [S, Hk, D] (one layer of the pool); table [B, L] slots; mask [B, L] (or an empty
-// tensor: every slot valid). Heads are grouped (Hq / Hk query heads share a KV head), as in the model: each K and V
-// row is read once for its group. `shared`: the table's first `shared` columns (a multiple of 8) are the same valid
-// slots in every row, a common prefix: each of those K and V rows is then read once for a chunk of requests, from
-// L1, instead of once per request. The arithmetic per request is the same either way (same tiles, same order).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                               torch::Tensor mask, double scale, int64_t shared) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "decode_attention: float32 q and KV");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && table.dim() == 2 && table.size(0) == q.size(0),
-              "decode_attention: q [B, Hq, D], cache [S, Hk, D], table [B, L]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous KV pool");
-  TORCH_CHECK(shared >= 0 && shared % 8 == 0 && shared <= table.size(1), "decode_attention: shared % 8 == 0");
-  q = q.contiguous();
-  table = table.to(at::kLong).contiguous();
-  const bool masked = mask.numel() > 0;
-  if (masked) mask = mask.reshape({table.size(0), table.size(1)}).to(at::kBool).contiguous();
-  const int64_t b_size = q.size(0), hq = q.size(1), d = q.size(2), hk = k_cache.size(1), len = table.size(1);
-  TORCH_CHECK(hq % hk == 0 && k_cache.size(2) == d, "decode_attention: head shapes");
-  const int64_t group = hq / hk, slots = k_cache.size(0);
-  const int64_t chunk = shared > 0 ? 8 : 1;  // requests per work item
-  const int64_t chunks = (b_size + chunk - 1) / chunk;
-  auto out = torch::zeros_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  std::atomic<bool> bad_slot{false};
+// One decode_attention call as its work items read it: the layer's K and V rows of element type T, the table of
+// slots and its mask (null: every slot valid), and the shapes. A work item is one KV head of a chunk of requests.
+template <typename T>
+struct DecodeCall {
+  const float* q;
+  const T* k;
+  const T* v;
+  const int64_t* table;
+  const bool* mask;
+  float* out;
+  int64_t b_size, hq, hk, d, len, group, slots, shared, chunk;
+  float scale;
+  std::atomic<bool>* bad_slot;
+
   // a tile of row b from column l0: its K rows and which to skip; returns how many slots it holds
-  auto tile = [&](int64_t b, int64_t h, int64_t l0, const float** rows, bool* skip) {
-    const int64_t* row = tp + b * len;
-    const bool* valid = masked ? mp + b * len : nullptr;
+  int64_t tile(int64_t b, int64_t h, int64_t l0, const T** rows, bool* skip) const {
+    const int64_t* row = table + b * len;
+    const bool* valid = mask ? mask + b * len : nullptr;
     const int64_t n = std::min<int64_t>(8, len - l0);
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t l = l0 + std::min(j, n - 1);
       const bool invalid = valid && !valid[l];
       const bool outside = !invalid && (row[l] < 0 || row[l] >= slots);
-      if (outside) bad_slot = true;
+      if (outside) *bad_slot = true;
       skip[j] = invalid || outside;
-      rows[j] = kp + ((skip[j] ? 0 : row[l]) * hk + h) * d;
+      rows[j] = k + ((skip[j] ? 0 : row[l]) * hk + h) * d;
     }
     for (int64_t l = l0 + 8; l < std::min<int64_t>(l0 + 16, len); ++l)  // the next tile's K rows, ahead
-      if (row[l] >= 0 && row[l] < slots) prefetch_row(kp + (row[l] * hk + h) * d, d);
+      if (row[l] >= 0 && row[l] < slots) prefetch_row(k + (row[l] * hk + h) * d, d);
     return n;
-  };
-  dynamic_for(chunks * hk, 1, [&](int64_t w0, int64_t w1) {
-    thread_local std::vector<float> scores;  // every entry is written before it is read
-    if (scores.size() < static_cast<size_t>(chunk * group * len)) scores.resize(chunk * group * len);
-    const float* rows[8];
+  }
+
+  // the scaled scores of head h's query group for requests [b0, b1) into scores (group x len per request)
+  void score(int64_t h, int64_t b0, int64_t b1, float* scores) const {
+    const T* rows[8];
     bool skip[8];
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t h = w % hk, b0 = (w / hk) * chunk, b1 = std::min(b_size, b0 + chunk);
-      const int64_t per_req = group * len;
-      for (int64_t l0 = 0; l0 < shared; l0 += 8) {  // the common prefix: a tile's rows serve every request
-        const int64_t n = tile(b0, h, l0, rows, skip);
-        for (int64_t b = b0; b < b1; ++b)
-          score_tile(qp + (b * hq + h * group) * d, group, d, rows, skip, n, sc,
-                     scores.data() + (b - b0) * per_req + l0, len);
-      }
-      for (int64_t b = b0; b < b1; ++b)  // each request's own slots, eight at a time
-        for (int64_t l0 = shared; l0 < len; l0 += 8) {
-          const int64_t n = tile(b, h, l0, rows, skip);
-          score_tile(qp + (b * hq + h * group) * d, group, d, rows, skip, n, sc,
-                     scores.data() + (b - b0) * per_req + l0, len);
-        }
-      for (int64_t i = 0; i < (b1 - b0) * group; ++i) {
-        float* s = scores.data() + i * len;
-        const float top = max_of(s, len);
-        if (top == -INFINITY) {  // no valid slot (a padding row): zeros
-          std::fill(s, s + len, 0.f);
-          continue;
-        }
-        const float inv = 1.f / exp_and_sum(s, len, top);
-        for (int64_t l = 0; l < len; ++l) s[l] *= inv;
-      }
-      for (int64_t b = b0; b < b1; ++b)  // the chunk's requests one after another: prefix V rows stay in cache
-        for (int64_t g = 0; g < group;) {
-          const float* p = scores.data() + (b - b0) * per_req + g * len;
-          float* o = op + (b * hq + h * group + g) * d;
-          if (d % 32 == 0 && g + 3 <= group) {
-            weighted_rows_heads<3>(p, len, tp + b * len, len, shared, vp, hk, h, d, o);
-            g += 3;
-          } else {
-            weighted_rows(p, tp + b * len, len, vp, hk, h, d, o);
-            g += 1;
-          }
-        }
+    const int64_t per_req = group * len;
+    for (int64_t l0 = 0; l0 < shared; l0 += 8) {  // the common prefix: a tile's rows serve every request
+      const int64_t n = tile(b0, h, l0, rows, skip);
+      for (int64_t b = b0; b < b1; ++b)
+        score_tile(q + (b * hq + h * group) * d, group, d, rows, skip, n, scale, scores + (b - b0) * per_req + l0,
+                   len);
     }
+    for (int64_t b = b0; b < b1; ++b)  // each request's own slots, eight at a time
+      for (int64_t l0 = shared; l0 < len; l0 += 8) {
+        const int64_t n = tile(b, h, l0, rows, skip);
+        score_tile(q + (b * hq + h * group) * d, group, d, rows, skip, n, scale, scores + (b - b0) * per_req + l0,
+                   len);
+      }
+  }
+
+  // out rows of head h's query group for requests [b0, b1): the softmaxed scores' weighted sums of V rows
+  void weigh(int64_t h, int64_t b0, int64_t b1, const float* scores) const {
+    for (int64_t b = b0; b < b1; ++b)  // the chunk's requests one after another: prefix V rows stay in cache
+      for (int64_t g = 0; g < group;) {
+        const float* p = scores + (b - b0) * group * len + g * len;
+        float* o = out + (b * hq + h * group + g) * d;
+        if (d % 32 == 0 && g + 3 <= group) {
+          weighted_rows_heads<3>(p, len, table + b * len, len, shared, v, hk, h, d, o);
+          g += 3;
+        } else {
+          weighted_rows(p, table + b * len, len, v, hk, h, d, o);
+          g += 1;
+        }
+      }
+  }
+
+  void run(int64_t w, std::vector<float>& scores) const {
+    const int64_t h = w % hk, b0 = (w / hk) * chunk, b1 = std::min(b_size, b0 + chunk);
+    score(h, b0, b1, scores.data());
+    for (int64_t i = 0; i < (b1 - b0) * group; ++i) softmax_in_place(scores.data() + i * len, len);
+    weigh(h, b0, b1, scores.data());
+  }
+};
+
+template <typename T>
+static void decode_attention_over(const DecodeCall<T>& call) {
+  const int64_t chunks = (call.b_size + call.chunk - 1) / call.chunk;
+  dynamic_for(chunks * call.hk, 1, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> scores;  // every entry is written before it is read
+    if (scores.size() < static_cast<size_t>(call.chunk * call.group * call.len))
+      scores.resize(call.chunk * call.group * call.len);
+    for (int64_t w = w0; w < w1; ++w) call.run(w, scores);
   });
+}
+
+template <typename T>
+static void decode_attention_as(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                const torch::Tensor& table, const torch::Tensor& mask, float scale, int64_t shared,
+                                torch::Tensor& out) {
+  std::atomic<bool> bad_slot{false};
+  const int64_t hq = q.size(1), hk = k_cache.size(1);
+  const DecodeCall<T> call{q.data_ptr<float>(),
+                           static_cast<const T*>(k_cache.data_ptr()),
+                           static_cast<const T*>(v_cache.data_ptr()),
+                           table.data_ptr<int64_t>(),
+                           mask.numel() > 0 ? mask.data_ptr<bool>() : nullptr,
+                           out.data_ptr<float>(),
+                           q.size(0),
+                           hq,
+                           hk,
+                           q.size(2),
+                           table.size(1),
+                           hq / hk,
+                           k_cache.size(0),
+                           shared,
+                           shared > 0 ? 8 : 1,  // requests per work item
+                           scale,
+                           &bad_slot};
+  decode_attention_over(call);
   TORCH_CHECK(!bad_slot, "decode_attention: a valid entry of the table is outside the KV pool");
+}
+
+// One new token per request against its KV slots in the pool: out[b, head] = softmax(q . K[slots] * scale) V[slots]
+// q [B, Hq, D] float32; k_cache, v_cache [S, Hk, D] (one layer of the pool) float32, bfloat16, float16,
+// float8_e4m3fn or float8_e5m2, both the same; table [B, L] slots; mask [B, L] (or an empty tensor: every slot
+// valid). Heads are grouped (Hq / Hk query heads share a KV head), as in the model: each K and V row is read once
+// for its group. `shared`: the table's first `shared` columns (a multiple of 8) are the same valid slots in every
+// row, a common prefix: each of those K and V rows is then read once for a chunk of requests, from L1, instead of
+// once per request. The arithmetic per request is the same either way (same tiles, same order).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                               torch::Tensor mask, double scale, int64_t shared) {
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: float32 q");
+  TORCH_CHECK(v_cache.scalar_type() == kv && (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf ||
+                                              kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2),
+              "decode_attention: a KV pool of float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, K and V "
+              "alike");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && table.dim() == 2 && table.size(0) == q.size(0),
+              "decode_attention: q [B, Hq, D], cache [S, Hk, D], table [B, L]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous KV pool");
+  TORCH_CHECK(shared >= 0 && shared % 8 == 0 && shared <= table.size(1), "decode_attention: shared % 8 == 0");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2), "decode_attention: head shapes");
+  q = q.contiguous();
+  table = table.to(at::kLong).contiguous();
+  if (mask.numel() > 0) mask = mask.reshape({table.size(0), table.size(1)}).to(at::kBool).contiguous();
+  auto out = torch::zeros_like(q);
+  const float sc = static_cast<float>(scale);
+  if (kv == at::kFloat)
+    decode_attention_as<float>(q, k_cache, v_cache, table, mask, sc, shared, out);
+  else if (kv == at::kBFloat16)
+    decode_attention_as<Bf16>(q, k_cache, v_cache, table, mask, sc, shared, out);
+  else if (kv == at::kHalf)
+    decode_attention_as<Half>(q, k_cache, v_cache, table, mask, sc, shared, out);
+  else if (kv == at::kFloat8_e4m3fn)
+    decode_attention_as<E4m3>(q, k_cache, v_cache, table, mask, sc, shared, out);
+  else
+    decode_attention_as<E5m2>(q, k_cache, v_cache, table, mask, sc, shared, out);
   return out;
 }

@@ -26,8 +26,8 @@ def make_attention_backend(
     kv_pool: KVPool | LatentKVPool, q_heads: int, dtype: torch.dtype, kv_lora_rank: int = 0
 ) -> AttentionBackend:
     """Latent attention for a latent pool (kv_lora_rank: the latent's width in its rows); otherwise Kiln's CPU
-    kernel where it serves the pool (float32 on the CPU, the kernel built) and the model computes in float32,
-    which its queries then are; torch SDPA everywhere else."""
+    kernel where it serves the pool (on the CPU, a KV dtype it reads, the kernel built) and the model computes in
+    float32, which its queries then are; torch SDPA everywhere else."""
     if isinstance(kv_pool, LatentKVPool):
         return MlaBackend(kv_pool, q_heads, kv_lora_rank)
     if kv_pool.k and dtype == torch.float32 and has_cpu_decode_attention(kv_pool.k[0]):

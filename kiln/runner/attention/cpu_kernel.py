@@ -1,7 +1,7 @@
 """Attention through Kiln's CPU float32 decode kernel (kiln.layers.cpu_gemm.cpu_decode_attention), which reads
 each request's slots straight from the KV pool, no gathers, and a prefix the batch shares once per chunk of
-requests. Decode runs on it entirely; extends run short extends on cached prefixes on it as decode rows and the
-rest through torch SDPA."""
+requests; a bfloat16, float16 or fp8 pool is read at its own width, converted in registers. Decode runs on it
+entirely; extends run short extends on cached prefixes on it as decode rows and the rest through torch SDPA."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ class MlaBackend(AttentionBackend):
     ) -> torch.Tensor:
         """q: absorbed queries [B, H, lora + rope] -> [B, H, lora]. The heads are the query rows of one SDPA call
         per request over its latent rows; the value is the latent part of each row."""
-        rows = self.kv_pool.gather(layer, fb.kv_table).to(q.dtype)  # [B, L, lora + rope]
+        rows = self.kv_pool.gather_as(layer, fb.kv_table, q.dtype)  # [B, L, lora + rope]
         k = rows.unsqueeze(1)  # [B, 1, L, W]
         v = k[..., : self.kv_lora_rank]
         out = F.scaled_dot_product_attention(q.unsqueeze(1), k, v, attn_mask=fb.kv_mask, scale=scale)
@@ -119,7 +119,7 @@ class MlaBackend(AttentionBackend):
         outs = []
         for i, prefix in enumerate(fb.prefix_lens):
             a, b = starts[i], starts[i + 1]
-            rows = latent[a:b] if prefix == 0 else self.kv_pool.gather(layer, fb.seq_slots[i]).to(q.dtype)
+            rows = latent[a:b] if prefix == 0 else self.kv_pool.gather_as(layer, fb.seq_slots[i], q.dtype)
             k, v = proj.expand(rows)  # [S, H, nope + rope], [S, H, v]
             qi = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

@@ -1,4 +1,6 @@
-"""Attention over the paged KV pool with torch's scaled_dot_product_attention (runs on every device)."""
+"""Attention over the paged KV pool with torch's scaled_dot_product_attention (runs on every device). The rows it
+gathers from the pool are converted to the queries' dtype (a bfloat16 or fp8 KV cache under float32 compute); a
+fresh prompt attends to its own K and V as computed (the pool's rounding applies to what later steps read)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class TorchSdpaBackend(AttentionBackend):
     ) -> torch.Tensor:
         if meta.distinct is not None:
             return self._decode_over_distinct(layer, q, meta.distinct, scale)
-        kc, vc = self.kv_pool.gather(layer, fb.kv_table)  # [B, L, Hk, D]
+        kc, vc = self.kv_pool.gather_as(layer, fb.kv_table, q.dtype)  # [B, L, Hk, D]
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hk, L, D]
         qb = q.unsqueeze(2)  # [B, Hq, 1, D]
         out = F.scaled_dot_product_attention(qb, kc, vc, attn_mask=fb.kv_mask, scale=scale, enable_gqa=True)
@@ -46,7 +48,7 @@ class TorchSdpaBackend(AttentionBackend):
         """One SDPA call for the whole batch over its distinct slots: rows are (kv head, request, group member),
         the mask keeps each request to its own slots. Shared rows are read once instead of once per request."""
         group = self.group
-        k, v = self.kv_pool.gather(layer, distinct.slots)  # [U, Hk, D]
+        k, v = self.kv_pool.gather_as(layer, distinct.slots, q.dtype)  # [U, Hk, D]
         b, hq, d = q.shape
         hk = hq // group
         qg = q.view(b, hk, group, d).transpose(0, 1).reshape(1, hk, b * group, d)
@@ -97,7 +99,7 @@ class TorchSdpaBackend(AttentionBackend):
             ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            kc, vc = self.kv_pool.gather(layer, slots)  # [prefix + ext, Hk, D]
+            kc, vc = self.kv_pool.gather_as(layer, slots, q.dtype)  # [prefix + ext, Hk, D]
             ki, vi = (
                 kc.transpose(0, 1).unsqueeze(0),
                 vc.transpose(0, 1).unsqueeze(0),

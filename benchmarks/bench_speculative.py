@@ -1,0 +1,78 @@
+"""NGRAM speculative decoding at batch 1 against plain decoding, on the default model (or --model-path): copy-heavy
+prompts (edit this code, repeat a list with changes, answer with quotes) and prompts with nothing to copy. Prints
+per prompt kind the decode tok/s of each, whether the greedy outputs are identical, and the accept length.
+
+    .venv/bin/python benchmarks/bench_speculative.py [--max-new-tokens 128] [--model-path PATH] [--cpu-gemm exact]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import kiln
+from kiln.scheduler.spec_step import SpecDecoder
+from kiln.speculative.ngram import NgramDrafter
+from kiln.speculative.settings import NGRAM_DRAFT_TOKENS
+
+CODE = """def total(items):
+    result = 0
+    for item in items:
+        if item.price > 0:
+            result += item.price * item.quantity
+    return result
+"""
+COPY = {
+    "edit code": f"Rename the variable result to subtotal in this function and return it unchanged otherwise:\n"
+    f"{CODE}\nThe edited function:\n",
+    "repeat a list": "Shopping list: apples, bread, cheese, dates, eggs, flour, grapes, honey, ice, jam.\n"
+    "Write the same list again but replace cheese with butter:\n",
+    "quote": "Text: The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill.\n"
+    "Quote the text exactly, then say who watches:\n",
+}
+NO_COPY = {
+    "story": "Write a short original story about a lighthouse keeper.",
+    "facts": "List five facts about the planet Mars.",
+}
+
+
+def decode(engine, prompt: str, max_new: int, spec: SpecDecoder | None) -> tuple[list[int], float]:
+    engine.scheduler.spec = spec
+    engine.scheduler.flush_cache()
+    start = time.perf_counter()
+    out = engine.generate(prompt, {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True})
+    seconds = time.perf_counter() - start
+    engine.scheduler.spec = None
+    return out["output_ids"], seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--cpu-gemm", default="auto")
+    args = parser.parse_args()
+    engine = kiln.Engine(model_path=args.model_path, disable_cuda_graph=True, cpu_gemm=args.cpu_gemm)
+    decode(engine, "warm up", 8, None)
+    for kind, prompts in (("copy-heavy", COPY), ("nothing to copy", NO_COPY)):
+        plain_s = spec_s = 0.0
+        tokens, same, lengths = 0, True, []
+        for name, prompt in prompts.items():
+            plain_ids, seconds = decode(engine, prompt, args.max_new_tokens, None)
+            plain_s += seconds
+            spec = SpecDecoder(NgramDrafter(), NGRAM_DRAFT_TOKENS - 1, NGRAM_DRAFT_TOKENS)
+            spec_ids, seconds = decode(engine, prompt, args.max_new_tokens, spec)
+            spec_s += seconds
+            tokens += len(plain_ids)
+            same &= spec_ids == plain_ids
+            lengths.append(spec.accept_length())
+            print(f"  {name}: identical={spec_ids == plain_ids} accept_length={spec.accept_length():.2f}")
+        print(
+            f"{kind}: plain {tokens / plain_s:.1f} tok/s, NGRAM {tokens / spec_s:.1f} tok/s "
+            f"({plain_s / spec_s:.2f}x), identical={same}, accept length "
+            f"{sum(lengths) / len(lengths):.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
