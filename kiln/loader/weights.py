@@ -79,6 +79,20 @@ class LoadedModel:
     packed_formats: dict[str, int] = field(default_factory=dict)
 
 
+def build_materialized(cls: type, cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """cls(cfg) built on meta with `dtype` as the default (no memory touched), then materialized on `device`,
+    ready for its weights."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    materialize(model, device)
+    return model
+
+
 def load_model(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -89,15 +103,7 @@ def load_model(
 ) -> LoadedModel:
     """Build the model on meta, materialize it and load every weight; checks nothing was missed."""
     t0 = time.perf_counter()
-    cls = model_class(cfg.architecture)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = cls(cfg)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    materialize(model, device)
+    model = build_materialized(model_class(cfg.architecture), cfg, dtype, device)
     loaded = model.load_weights(_reporting(iter_weights(cfg), on_progress))
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())

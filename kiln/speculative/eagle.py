@@ -20,7 +20,7 @@ import os
 import torch
 from torch import nn
 
-from kiln.loader.weights import iter_safetensors, materialize
+from kiln.loader.weights import build_materialized, iter_safetensors
 from kiln.models.config import ModelConfig
 from kiln.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3, eagle3_capture_layers
 from kiln.runner.model_runner import ModelRunner, PoolSizes
@@ -113,14 +113,7 @@ def load_head(path: str, target: nn.Module, dtype: torch.dtype, device: str, max
     config = read_draft_config(path)
     cls = head_class(config)
     cfg = ModelConfig.from_hf_dict(path, config)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            head = cls(cfg)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    materialize(head, device)
+    head = build_materialized(cls, cfg, dtype, device)
     loaded = head.load_weights(iter_safetensors(path))
     missing = {n for n, _ in head.named_parameters()} - loaded
     if missing:

@@ -19,7 +19,7 @@ from torch import nn
 from kiln.core.forward_batch import ForwardBatch
 from kiln.layers.moe import check_experts_loaded, load_expert_weights
 from kiln.layers.norm import RMSNorm
-from kiln.loader.weights import materialize
+from kiln.loader.weights import build_materialized
 from kiln.models.config import ModelConfig
 from kiln.models.deepseek_v3 import STACKED_MLP_PARAMS, DeepseekV3DecoderLayer
 from kiln.models.llama import LlamaForCausalLM
@@ -108,14 +108,7 @@ def build_nextn_drafter(target: ModelRunner, sizes: PoolSizes, num_steps: int) -
             f"--speculative-algorithm NEXTN drafts with the model's own MTP layer; {cfg.model_path} "
             f"({cfg.architecture}) has none"
         )
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(target.dtype)
-    try:
-        with torch.device("meta"):
-            head = NextnHead(cfg)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    materialize(head, target.device)
+    head = build_materialized(NextnHead, cfg, target.dtype, target.device)
     loaded = head.load_weights((n, t.to(target.device)) for n, t in head_weights(mtp, cfg.num_layers))
     missing = {n for n, _ in head.named_parameters()} - loaded
     if missing:
