@@ -73,6 +73,32 @@ def test_shared_prefix_is_bit_identical_to_the_per_request_walk(batch):
     torch.testing.assert_close(shared, _reference(q, table, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 20])  # head sizes that are and are not a multiple of 8
+def test_a_row_decodes_to_the_same_bits_whatever_the_batch(kv_dtype, d):
+    """A request's row alone (13 slots: a partial last tile), in a batch whose longest row is 37 slots wide, and as
+    one of the rows of a verify step sharing its prefix: bit-identical every time. Speculative decoding's greedy
+    identity rests on it: a verify row must be computed as plain decoding computes that token."""
+    pool = KVPool(512, 1, 1, HK, d, kv_dtype)
+    torch.manual_seed(1)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape)), pool.v[0].copy_(torch.randn(pool.v[0].shape))
+    slots = torch.randperm(511, generator=torch.Generator().manual_seed(2)) + 1
+    q = torch.randn(3, HQ, d)
+    kernel = cpu_decode_attention()
+    alone = kernel(q[:1], pool.k[0], pool.v[0], slots[:13].view(1, 13), torch.empty(0, dtype=torch.bool), 0.125)
+    wide = torch.zeros(3, 37, dtype=torch.long)
+    wide[0, :13], wide[1, :37], wide[2, :5] = slots[:13], slots[13:50], slots[50:55]
+    mask = torch.arange(37).unsqueeze(0) < torch.tensor([13, 37, 5]).unsqueeze(1)
+    batched = kernel(q, pool.k[0], pool.v[0], wide, mask, 0.125)
+    assert torch.equal(batched[:1], alone)
+    # verify rows: the same request's prefix of 8 then 13, 14 and 15 slots, the first row the one above
+    verify = torch.zeros(3, 15, dtype=torch.long)
+    verify[:, :15] = torch.cat([slots[:13], slots[60:62]])
+    rows_mask = torch.arange(15).unsqueeze(0) < torch.tensor([13, 14, 15]).unsqueeze(1)
+    shared = kernel(q[[0, 0, 0]], pool.k[0], pool.v[0], verify, rows_mask, 0.125, 8)
+    assert torch.equal(shared[:1], alone)
+
+
 @pytest.mark.parametrize("hq, hk, d", [(8, 2, 48), (4, 4, 32), (10, 2, 64)])
 def test_other_head_layouts_take_the_same_paths(hq, hk, d):
     """Groups of 4 and 5 query heads (three at a time, then one by one), one head per group, head sizes that are

@@ -358,21 +358,23 @@ static inline void score_full_tile(const float* q, int64_t d, const T* const* ro
   }
 }
 
-// One tile of up to eight slots of a table row: their K rows (masked or out-of-pool entries point at row 0 and are
-// skipped); the query heads' scaled dot products go to s[g * stride + j], skipped slots -inf. Full tiles take the
-// query heads three at a time (score_full_tile), a K row loaded once for the three.
+// One tile of eight slots of a table row: their K rows (masked, out-of-pool and past-the-end entries point at a
+// valid row and are skipped); the query heads' scaled dot products go to s[g * stride + j], skipped slots -inf. A
+// tile at the end of the table is padded to eight rather than computed another way, so a slot's score takes the
+// same instructions whatever the table's width (how long the batch's longest request is): a request decodes to
+// the same bits alone, in a batch, or as a verify row. Heads go three at a time, a K row loaded once for the three.
 template <typename T>
 static inline void score_tile(const float* qv, int64_t group, int64_t d, const T* const* rows,
-                              const bool* skip, int64_t n, float sc, float* s, int64_t stride) {
-  if (n == 8 && d % 8 == 0) {
+                              const bool* skip, float sc, float* s, int64_t stride) {
+  if (d % 8 == 0) {
     int64_t g = 0;
     for (; g + 3 <= group; g += 3) score_full_tile<3, T>(qv + g * d, d, rows, sc, s + g * stride, stride);
     for (; g < group; ++g) score_full_tile<1, T>(qv + g * d, d, rows, sc, s + g * stride, stride);
   } else {
     for (int64_t g = 0; g < group; ++g)
-      for (int64_t j = 0; j < n; ++j) s[g * stride + j] = dot(qv + g * d, rows[j], d) * sc;
+      for (int64_t j = 0; j < 8; ++j) s[g * stride + j] = dot(qv + g * d, rows[j], d) * sc;
   }
-  for (int64_t j = 0; j < n; ++j)
+  for (int64_t j = 0; j < 8; ++j)
     if (skip[j])
       for (int64_t g = 0; g < group; ++g) s[g * stride + j] = -INFINITY;
 }
@@ -388,17 +390,18 @@ struct DecodeCall {
   const bool* mask;
   float* out;
   int64_t b_size, hq, hk, d, len, group, slots, shared, chunk;
+  int64_t stride;  // len rounded up to whole tiles: a score row's width (the padding columns are -inf)
   float scale;
   std::atomic<bool>* bad_slot;
 
-  // a tile of row b from column l0: its K rows and which to skip; returns how many slots it holds
-  int64_t tile(int64_t b, int64_t h, int64_t l0, const T** rows, bool* skip) const {
+  // a tile of row b from column l0: its eight K rows and which to skip (columns past the table's end included)
+  void tile(int64_t b, int64_t h, int64_t l0, const T** rows, bool* skip) const {
     const int64_t* row = table + b * len;
     const bool* valid = mask ? mask + b * len : nullptr;
     const int64_t n = std::min<int64_t>(8, len - l0);
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t l = l0 + std::min(j, n - 1);
-      const bool invalid = valid && !valid[l];
+      const bool invalid = j >= n || (valid && !valid[l]);
       const bool outside = !invalid && (row[l] < 0 || row[l] >= slots);
       if (outside) *bad_slot = true;
       skip[j] = invalid || outside;
@@ -406,25 +409,24 @@ struct DecodeCall {
     }
     for (int64_t l = l0 + 8; l < std::min<int64_t>(l0 + 16, len); ++l)  // the next tile's K rows, ahead
       if (row[l] >= 0 && row[l] < slots) prefetch_row(k + (row[l] * hk + h) * d, d);
-    return n;
   }
 
-  // the scaled scores of head h's query group for requests [b0, b1) into scores (group x len per request)
+  // the scaled scores of head h's query group for requests [b0, b1) into scores (group x stride per request)
   void score(int64_t h, int64_t b0, int64_t b1, float* scores) const {
     const T* rows[8];
     bool skip[8];
-    const int64_t per_req = group * len;
+    const int64_t per_req = group * stride;
     for (int64_t l0 = 0; l0 < shared; l0 += 8) {  // the common prefix: a tile's rows serve every request
-      const int64_t n = tile(b0, h, l0, rows, skip);
+      tile(b0, h, l0, rows, skip);
       for (int64_t b = b0; b < b1; ++b)
-        score_tile(q + (b * hq + h * group) * d, group, d, rows, skip, n, scale, scores + (b - b0) * per_req + l0,
-                   len);
+        score_tile(q + (b * hq + h * group) * d, group, d, rows, skip, scale, scores + (b - b0) * per_req + l0,
+                   stride);
     }
     for (int64_t b = b0; b < b1; ++b)  // each request's own slots, eight at a time
       for (int64_t l0 = shared; l0 < len; l0 += 8) {
-        const int64_t n = tile(b, h, l0, rows, skip);
-        score_tile(q + (b * hq + h * group) * d, group, d, rows, skip, n, scale, scores + (b - b0) * per_req + l0,
-                   len);
+        tile(b, h, l0, rows, skip);
+        score_tile(q + (b * hq + h * group) * d, group, d, rows, skip, scale, scores + (b - b0) * per_req + l0,
+                   stride);
       }
   }
 
@@ -432,10 +434,10 @@ struct DecodeCall {
   void weigh(int64_t h, int64_t b0, int64_t b1, const float* scores) const {
     for (int64_t b = b0; b < b1; ++b)  // the chunk's requests one after another: prefix V rows stay in cache
       for (int64_t g = 0; g < group;) {
-        const float* p = scores + (b - b0) * group * len + g * len;
+        const float* p = scores + (b - b0) * group * stride + g * stride;
         float* o = out + (b * hq + h * group + g) * d;
         if (d % 32 == 0 && g + 3 <= group) {
-          weighted_rows_heads<3>(p, len, table + b * len, len, shared, v, hk, h, d, o);
+          weighted_rows_heads<3>(p, stride, table + b * len, len, shared, v, hk, h, d, o);
           g += 3;
         } else {
           weighted_rows(p, table + b * len, len, v, hk, h, d, o);
@@ -447,7 +449,8 @@ struct DecodeCall {
   void run(int64_t w, std::vector<float>& scores) const {
     const int64_t h = w % hk, b0 = (w / hk) * chunk, b1 = std::min(b_size, b0 + chunk);
     score(h, b0, b1, scores.data());
-    for (int64_t i = 0; i < (b1 - b0) * group; ++i) softmax_in_place(scores.data() + i * len, len);
+    // over whole tiles (the padding is -inf): no scalar tail whose sum order would depend on the table's width
+    for (int64_t i = 0; i < (b1 - b0) * group; ++i) softmax_in_place(scores.data() + i * stride, stride);
     weigh(h, b0, b1, scores.data());
   }
 };
@@ -457,8 +460,8 @@ static void decode_attention_over(const DecodeCall<T>& call) {
   const int64_t chunks = (call.b_size + call.chunk - 1) / call.chunk;
   dynamic_for(chunks * call.hk, 1, [&](int64_t w0, int64_t w1) {
     thread_local std::vector<float> scores;  // every entry is written before it is read
-    if (scores.size() < static_cast<size_t>(call.chunk * call.group * call.len))
-      scores.resize(call.chunk * call.group * call.len);
+    if (scores.size() < static_cast<size_t>(call.chunk * call.group * call.stride))
+      scores.resize(call.chunk * call.group * call.stride);
     for (int64_t w = w0; w < w1; ++w) call.run(w, scores);
   });
 }
@@ -484,6 +487,7 @@ static void decode_attention_as(const torch::Tensor& q, const torch::Tensor& k_c
                            k_cache.size(0),
                            shared,
                            shared > 0 ? 8 : 1,  // requests per work item
+                           (table.size(1) + 7) / 8 * 8,
                            scale,
                            &bad_slot};
   decode_attention_over(call);
