@@ -85,7 +85,9 @@ def test_a_row_decodes_to_the_same_bits_whatever_the_batch(kv_dtype, d):
     slots = torch.randperm(511, generator=torch.Generator().manual_seed(2)) + 1
     q = torch.randn(3, HQ, d)
     kernel = cpu_decode_attention()
-    alone = kernel(q[:1], pool.k[0], pool.v[0], slots[:13].view(1, 13), torch.empty(0, dtype=torch.bool), 0.125)
+    alone = kernel(
+        q[:1], pool.k[0], pool.v[0], slots[:13].view(1, 13), torch.empty(0, dtype=torch.bool), 0.125
+    )
     wide = torch.zeros(3, 37, dtype=torch.long)
     wide[0, :13], wide[1, :37], wide[2, :5] = slots[:13], slots[13:50], slots[50:55]
     mask = torch.arange(37).unsqueeze(0) < torch.tensor([13, 37, 5]).unsqueeze(1)
