@@ -201,15 +201,18 @@ class ServerArgs:
     )
     speculative_num_steps: int | None = _f(
         None,
-        "draft steps per verify (default: SGLang's auto choice by model, or num-draft-tokens - 1 with NGRAM)",
+        "draft steps per verify (default: SGLang's auto choice by model; with NGRAM num-draft-tokens - 1 for a "
+        "chain, num-draft-tokens // topk for a tree)",
     )
     speculative_eagle_topk: int | None = _f(
         None,
-        "draft tokens branched per step; Kiln verifies a chain, so 1 (the default) is the value it takes",
+        "draft tokens branched per step (NGRAM: its BFS breadth); above 1 the drafts form a tree verified with a "
+        "tree attention mask (default: SGLang's auto choice by model, 1 with NGRAM)",
     )
     speculative_num_draft_tokens: int | None = _f(
         None,
-        "tokens verified per request per step, the last token included (default: steps + 1; 12 with NGRAM)",
+        "tokens verified per request per step, the last token included (default: SGLang's auto choice by model, "
+        "steps + 1 for a chain; 12 with NGRAM)",
     )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")

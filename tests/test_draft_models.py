@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, build_tiny_model
-from model_equality import random_model
+from model_equality import one_torch_thread, random_model  # noqa: F401 (one_torch_thread: the fixture)
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.loader.model_config import read_hf_config
@@ -18,19 +18,12 @@ from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput
 from kiln.speculative.draft_model import ChainDrafter, DraftRefused, StandaloneDrafter, check_same_vocabulary
-from kiln.speculative.eagle import EagleDrafter, attach_target, build_eagle_drafter
+from kiln.speculative.eagle import attach_target, build_eagle_drafter
+from kiln.speculative.head_kv import target_pool_rows
 
 CONTEXT, RUNNING, POOL = 512, 4, 4096
 PROMPTS = [[1, 450, 3681, 310, 3444, 338], [1, 22, 22, 22, 22, 22, 22, 22, 22, 22], [1, 9038, 2501]]
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_runner(path: str | Path, num_layers: int | None = None) -> ModelRunner:
@@ -92,8 +85,11 @@ class TargetLoop:
         if self.drafter is not None:
             self.drafter.accepted(rid, seq[1:], self._hidden())
         while len(seq) - len(prompt) < new_tokens:
+            slots = table[idx, : len(seq) - 1]
             drafts = (
-                self.drafter.propose([DraftInput(rid, list(seq), self.num_draft)])[0] if self.drafter else []
+                self.drafter.propose([DraftInput(rid, list(seq), self.num_draft, kv_slots=slots)])[0]
+                if self.drafter
+                else []
             )
             start = len(seq) - 1
             best = self._extend(idx, start, [seq[-1], *drafts]).argmax(dim=-1).tolist()
@@ -122,9 +118,10 @@ def plain(target: ModelRunner) -> list[list[int]]:
     return [loop.generate(str(i), p) for i, p in enumerate(PROMPTS)]
 
 
-def assert_idle(*runners: ModelRunner) -> None:
+def assert_idle(*runners: ModelRunner, held: int = 0) -> None:
+    """Every slot and table row free, but `held`: the slots a head's pool mirrors of the target's (head_kv.py)."""
     for r in runners:
-        assert r.allocator.available_size() == r.allocator.size
+        assert r.allocator.available_size() == r.allocator.size - held
         assert r.table.available_size() == r.table.size
 
 
@@ -262,24 +259,64 @@ def test_eagle_head_is_lossless(eagle3, eagle_target, target_dir, plain, tmp_pat
     assert [loop.generate(str(i), p) for i, p in enumerate(PROMPTS)] == plain
     assert eagle_target.model.last_hidden.shape[-1] == width
     assert all(chain for _, chain in proposals)  # every step drafted: the pairs reached each last token
-    assert_idle(eagle_target, drafter.runner)
+    assert_idle(eagle_target)
+    assert_idle(drafter.runner, held=drafter.mirrored - 1)
     # drafting incrementally (catching up step by step) equals drafting from the whole sequence at once
     seq, chain = proposals[-1]
     loop.drafter = None
-    fresh = EagleDrafter(drafter.runner, 4)
+    fresh = build_eagle_drafter(path, eagle_target, sizes, 4)
     idx = eagle_target.table.alloc()
     loop._extend(idx, 0, seq[:-1])
     hidden = eagle_target.model.last_hidden
     fresh.accepted("x", seq[1:], hidden)
-    assert fresh.propose([DraftInput("x", seq, 4)]) == [chain]
-    # a head joining after a prefix the target read from its cache (no hidden states for it) drafts still
+    slots = eagle_target.table.req_to_token[idx, : len(seq) - 1]
+    assert fresh.propose([DraftInput("x", seq, 4, kv_slots=slots)]) == [chain]
+    # a head joining after a prefix the target read from its cache, whose head KV it cannot find (no slots
+    # handed over), starts after the prefix and drafts still
     fresh.accepted("y", seq[4:], hidden[3:])
     assert len(fresh.propose([DraftInput("y", seq, 4)])[0]) == 4
-    eagle_target.allocator.free(eagle_target.table.req_to_token[idx, : len(seq) - 1].clone())
+    assert fresh.sequences["y"].base == 3
+    eagle_target.allocator.free(slots.clone())
     eagle_target.table.free(idx)
     fresh.release("x")
     fresh.release("y")
-    assert_idle(drafter.runner)
+    assert_idle(fresh.runner, held=fresh.mirrored - 1)
+    eagle_target.model.capture_hidden = None
+
+
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
+def test_eagle_head_keeps_its_kv_for_a_cached_prefix(eagle3, eagle_target, target_dir, tmp_path) -> None:
+    """The head's KV sits in the target's slots, stamped with the prefix it was computed for: a request whose
+    prompt the target read from its cache (no hidden states for it) drafts exactly as one whose every hidden state
+    the head saw; the same slots under another prefix's stamps, or none, make it start after the prefix."""
+    path = save_head(tmp_path / "head", target_dir, eagle3)
+    drafter = build_eagle_drafter(path, eagle_target, PoolSizes(POOL, RUNNING, CONTEXT, 1), 4)
+    table = eagle_target.table.req_to_token
+    loop = TargetLoop(eagle_target, None)
+    prompt = PROMPTS[0] + [22, 23, 24]
+    idx = eagle_target.table.alloc()
+    logits = loop._extend(idx, 0, prompt)
+    seq = [*prompt, int(logits[-1].argmax())]
+    slots = table[idx, : len(seq) - 1]
+    # "a" computed the prompt: the head catches up on it, into the target's slots
+    drafter.accepted("a", seq[1:], eagle_target.model.last_hidden)
+    full = drafter.propose([DraftInput("a", seq, 4, kv_slots=slots)])[0]
+    # "b" read the prompt from the cache and computed only its last token: the head's KV is there for it
+    last = eagle_target.model.last_hidden[-1:]
+    drafter.accepted("b", seq[-1:], last)
+    assert drafter.propose([DraftInput("b", seq, 4, kv_slots=slots)])[0] == full
+    assert drafter.sequences["b"].base == 0
+    # "c" holds other tokens in the same slots (stamps of another prefix): it starts after the prefix
+    other = [seq[0] + 1, *seq[1:]]
+    drafter.accepted("c", other[-1:], last)
+    assert len(drafter.propose([DraftInput("c", other, 4, kv_slots=slots)])[0]) == 4
+    assert drafter.sequences["c"].base == len(seq) - 2  # the cached prompt but its last token
+    for rid in "abc":
+        drafter.release(rid)
+    eagle_target.allocator.free(slots.clone())
+    eagle_target.table.free(idx)
+    assert_idle(eagle_target)
+    assert_idle(drafter.runner, held=target_pool_rows(eagle_target) - 1)  # page 0 is never mirrored
     eagle_target.model.capture_hidden = None
 
 
@@ -340,15 +377,26 @@ def test_engine_standalone_matches_plain(target_dir: Path, engine_plain) -> None
     assert accepted >= drafted[-1] // 2 > 0
 
 
-def test_engine_eagle3_matches_plain(target_dir: Path, engine_plain, tmp_path) -> None:
+def test_engine_eagle3_matches_plain(target_dir: Path, engine_plain, tmp_path, monkeypatch) -> None:
     """A random EAGLE-3 head through serve: the prefill hands it the prompt's features, so it drafts; on radix
-    hits it starts after the cached prefix and drafts still."""
+    hits it finds its own KV of the cached prefix in the target's slots and drafts on from there."""
+    from kiln.speculative.head_kv import TargetSlotKV
+
+    joins = []
+    join = TargetSlotKV._join_cached_prefix
+
+    def recording(self, seq, inp, prefix):
+        joins.append(join(self, seq, inp, prefix))
+        return joins[-1]
+
+    monkeypatch.setattr(TargetSlotKV, "_join_cached_prefix", recording)
     path = save_head(tmp_path / "head3", target_dir, eagle3=True)
     ids, drafted, _ = engine_outputs(
         target_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=path
     )
     assert ids == engine_plain
     assert 0 < drafted[0] < drafted[1]
+    assert any(joins)  # the second round's radix hits
 
 
 def test_engine_refuses_another_vocabulary(target_dir: Path, tmp_path) -> None:
@@ -407,7 +455,8 @@ def test_nextn_is_lossless(deepseek) -> None:
     drafter = build_nextn_drafter(target, PoolSizes(POOL, RUNNING, CONTEXT, 1), 3)
     assert [TargetLoop(target, drafter, 3).generate(str(i), p) for i, p in enumerate(PROMPTS)] == expected
     assert drafter.drafted_tokens > 0
-    assert_idle(target, drafter.runner)
+    assert_idle(target)
+    assert_idle(drafter.runner, held=drafter.mirrored - 1)
 
 
 def test_engine_nextn_matches_plain(deepseek_dir: Path, deepseek) -> None:

@@ -85,27 +85,39 @@ def engine(tiny_llama):
     )
 
 
-def _run(engine, prompts, params: dict, drafter: Drafter | None, abort_after: int | None = None):
-    """Outputs by prompt index (ids, last ReqOutput) through the scheduler, with `drafter` or without."""
+def _run(
+    engine,
+    prompts,
+    params: dict,
+    drafter: Drafter | None,
+    abort_after: int | None = None,
+    num_draft: int = NUM_DRAFT,
+    logprobs_out: list | None = None,
+):
+    """Outputs by prompt index (ids, last ReqOutput) through the scheduler, with `drafter` or without; each
+    request's logprobs appended to `logprobs_out` when given."""
     sched = engine.scheduler
-    sched.spec = SpecDecoder(drafter, NUM_DRAFT, NUM_DRAFT + 1) if drafter is not None else None
+    sched.spec = SpecDecoder(drafter, num_draft, num_draft + 1) if drafter is not None else None
     rids = [f"r{i}-{random.random()}" for i in range(len(prompts))]
     for rid, prompt in zip(rids, prompts):
         sched.add_request(GenerateReq(rid, list(prompt), SamplingParams(**params).normalize()))
     ids: dict[str, list[int]] = {rid: [] for rid in rids}
+    logprobs: dict[str, list] = {rid: [] for rid in rids}
     last: dict[str, ReqOutput] = {}
     steps = 0
     while sched.has_work:
         for out in sched.step():
             ids[out.rid].extend(out.new_ids)
+            logprobs[out.rid].extend(out.logprobs or [])
             last[out.rid] = out
         steps += 1
         if abort_after is not None and steps == abort_after:
             sched.abort(AbortReq(rids[0]))
     report = sched.check_integrity()
     assert report["ok"], report
-    spec = sched.spec
-    sched.spec = None
+    spec, sched.spec = sched.spec, None
+    if logprobs_out is not None:
+        logprobs_out.extend(logprobs[r] for r in rids)
     return [ids[r] for r in rids], [last[r] for r in rids], spec
 
 
@@ -270,15 +282,15 @@ def test_flags_resolve_with_sglang_defaults():
     eagle = resolve(
         _args("--speculative-algorithm", "EAGLE", "--speculative-draft-model", "d"), "LlamaForCausalLM"
     )
-    assert (eagle.num_steps, eagle.topk, eagle.num_draft_tokens) == (5, 1, 6)
+    assert (eagle.num_steps, eagle.topk, eagle.num_draft_tokens) == (5, 4, 8)
     other = resolve(_args("--speculative-algorithm", "NEXTN"), "DeepseekV3ForCausalLM")
     assert (other.num_steps, other.num_draft_tokens) == (3, 4)
     assert resolve(_args(), "LlamaForCausalLM") is None
 
 
 def test_flags_refused_naming_the_range():
-    with pytest.raises(ValueError, match="--speculative-eagle-topk 4.*supported value is 1"):
-        resolve(_args("--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "4"), "x")
+    with pytest.raises(ValueError, match="--speculative-eagle-topk 0 must be >= 1"):
+        resolve(_args("--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "0"), "x")
     with pytest.raises(ValueError, match=r"--speculative-num-draft-tokens 9 .* valid range is 2\.\.4"):
         resolve(
             _args(

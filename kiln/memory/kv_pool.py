@@ -66,6 +66,11 @@ class KVPool:
         k, v = self.gather(layer, slots)
         return k.to(dtype), v.to(dtype)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V rows of `src` slots into `dst` slots (a tree verify moves the accepted path's
+        KV to the columns plain decoding would have written); bit for bit, whatever the dtype."""
+        _copy_rows(self.k + self.v, src, dst)
+
     @property
     def k_bytes(self) -> int:
         return sum(t.nbytes for t in self.k)
@@ -114,6 +119,10 @@ class LatentKVPool:
         """gather's rows converted to `dtype` (the queries' dtype)."""
         return self.gather(layer, slots).to(dtype)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's latent rows of `src` slots into `dst` slots (see KVPool.copy_slots)."""
+        _copy_rows(self.k, src, dst)
+
     @property
     def k_bytes(self) -> int:
         return sum(t.nbytes for t in self.k)
@@ -121,3 +130,11 @@ class LatentKVPool:
     @property
     def v_bytes(self) -> int:
         return 0
+
+
+def _copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """rows[dst] = rows[src] in each tensor; the source rows are read before any is written."""
+    for rows in tensors:
+        src_here, dst_here = src.to(rows.device), dst.to(rows.device)
+        view = copyable(rows)
+        view[dst_here] = view[src_here]

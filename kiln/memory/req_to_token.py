@@ -51,3 +51,13 @@ class ReqToTokenPool:
         valid = torch.arange(width).unsqueeze(0) < seq_lens.unsqueeze(1)
         kv_table = kv_table.masked_fill(~valid.to(kv_table.device), 0)
         return kv_table, valid.view(len(seq_lens), 1, 1, width)
+
+    def branch_table(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, tails: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """decode_table's, each row followed by slots of its own that are in no table row (`tails`, [B, n]: a
+        draft tree branch's path): row i the first seq_lens[i] slots of table row rows[i], then tails[i]; the
+        validity mask as decode_table's."""
+        kv_table, mask = self.decode_table(rows, seq_lens + tails.shape[1])
+        columns = (seq_lens.unsqueeze(1) + torch.arange(tails.shape[1])).to(kv_table.device)
+        return kv_table.scatter(1, columns, tails.to(kv_table.device)), mask

@@ -7,7 +7,8 @@ maps to the target's. The checkpoints load as SGLang reads them (`fc`, `midlayer
 
 The head's input features are handed in with `set_features` before a forward (the model runner calls the model
 with the batch alone); after it, `last_hidden` holds the head's own output at the logits rows, which the next
-draft step feeds back in place of the target's features.
+draft step feeds back in place of the target's features. A captured draft decode step takes those features
+(`step_feature_width` wide) as a static input.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class _DraftHead(nn.Module):
         self.embed_tokens: nn.Module | None = None  # the target's, set by share_target
         self.features: torch.Tensor | None = None
         self.last_hidden: torch.Tensor | None = None
+
+    @property
+    def step_feature_width(self) -> int:
+        """The width of a draft decode step's features: the head's own output, fed back."""
+        return self.cfg.hidden_size
 
     def init_buffers(self, max_positions: int, device) -> None:
         self.rotary = RotaryEmbedding(self.cfg.hf_config, max_positions).to(device)

@@ -2,10 +2,13 @@
 
 Decode: on CUDA a torch.cuda.CUDAGraph per batch size over static input buffers; on the CPU the step compiled by
 torch.compile (inductor), batch size static, KV length dynamic. A batch pads up to its captured size with dummy
-rows that write and read the reserved padding slot 0. Prefill runs on "pieces": each layer's attention-free
-halves at a fixed token count, with attention, whose shapes follow the batch's sequences, run eagerly between
-them. On CUDA the halves are CUDA graphs over static buffers (SGLang's "breakable" prefill graph); on the CPU they
-are compiled per token count.
+rows that write and read the reserved padding slot 0. A step hands out the hidden states a speculative draft
+reads along with the logits (a target whose drafter asked for them, or a draft head's own output); a draft head's
+step also takes its input features as a static input, as SGLang's EAGLE draft graphs do.
+
+Prefill runs on "pieces": each layer's attention-free halves at a fixed token count, with attention, whose shapes
+follow the batch's sequences, run eagerly between them. On CUDA the halves are CUDA graphs over static buffers
+(SGLang's "breakable" prefill graph); on the CPU they are compiled per token count.
 """
 
 from __future__ import annotations
@@ -27,6 +30,36 @@ GraphCapture = Callable[[Callable[[], None], Any], tuple[Callable[[], None], Any
 # the KV length of the dummy decode batch used for capture (>= 2: a length of 1 would be specialised)
 CAPTURE_KV_LEN = 64
 DecodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# a step's logits and the hidden states it hands a draft (None: the model keeps none)
+StepOutput = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def takes_features(model) -> bool:
+    """A draft head (EAGLE, EAGLE-3, NEXTN): each forward reads the features handed to set_features."""
+    return hasattr(model, "set_features")
+
+
+def keeps_hidden(model) -> bool:
+    """Whether the model's forward leaves hidden states a drafter reads: a target set to keep them
+    (capture_hidden), or a draft head, whose output is the next draft step's features."""
+    return takes_features(model) or getattr(model, "capture_hidden", None) is not None
+
+
+def dummy_features(model, bs: int, device) -> torch.Tensor | None:
+    """A draft head's [bs, width] step features for capture (its own hidden states: a draft decode step feeds
+    the head's last output back); None for a model that takes none."""
+    if not takes_features(model):
+        return None
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(bs, model.step_feature_width, dtype=dtype, device=device)
+
+
+def pad_features(model, bs: int) -> torch.Tensor | None:
+    """The features a draft head was handed for this step, padded with zero rows to bs."""
+    if not takes_features(model):
+        return None
+    features = model.features
+    return _dense(F.pad(features, (0, 0, 0, bs - features.shape[0])))
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -73,10 +106,24 @@ def dummy_decode_inputs(bs: int, length: int, device) -> DecodeInputs:
     )
 
 
-def _decode_step(model, ids, pos, loc, table, mask, shared_prefix: int | torch.Tensor = 0) -> torch.Tensor:
+def _decode_step(
+    model,
+    ids,
+    pos,
+    loc,
+    table,
+    mask,
+    shared_prefix: int | torch.Tensor = 0,
+    features: torch.Tensor | None = None,
+) -> StepOutput:
     """The step graphs capture. Its attention metadata is the model's own backend's graph metadata: static, with
-    `shared_prefix` (the KV table's leading columns every request shares) as its one input that changes."""
-    return model(decode_batch((ids, pos, loc, table, mask), model.attn.graph_metadata(shared_prefix)))
+    `shared_prefix` (the KV table's leading columns every request shares) as its one input that changes. A draft
+    head's features go in as an input; the hidden states the model keeps come out as an output, since a replayed
+    CUDA graph leaves no attribute of the model up to date."""
+    if features is not None:
+        model.set_features(features)
+    logits = model(decode_batch((ids, pos, loc, table, mask), model.attn.graph_metadata(shared_prefix)))
+    return logits, model.last_hidden if keeps_hidden(model) else None
 
 
 @functools.cache
@@ -118,11 +165,13 @@ class CompiledDecode:
         inputs = dummy_decode_inputs(bs, CAPTURE_KV_LEN, self.device)
         torch._dynamo.mark_dynamic(inputs[3], 1)
         torch._dynamo.mark_dynamic(inputs[4], 3)
-        self.fn(self.model, *inputs, self._shared(0))
+        self.fn(self.model, *inputs, self._shared(0), dummy_features(self.model, bs, self.device))
 
-    def replay(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
-        """The shared prefix the attention backend found in the batch goes in as the step's input."""
-        return self.fn(self.model, *pad_decode_inputs(fb, bs), self._shared(fb.attn.shared_prefix))
+    def replay(self, bs: int, fb: ForwardBatch) -> StepOutput:
+        """The shared prefix the attention backend found in the batch goes in as the step's input, as do a draft
+        head's features."""
+        inputs = pad_decode_inputs(fb, bs)
+        return self.fn(self.model, *inputs, self._shared(fb.attn.shared_prefix), pad_features(self.model, bs))
 
     def _shared(self, columns: int | torch.Tensor) -> torch.Tensor | int:
         return torch.tensor([int(columns)], dtype=torch.int64) if self.reads_shared_prefix_once else 0
@@ -143,25 +192,35 @@ class CudaGraphDecode:
     ):
         self.model, self.kv_width, self.capture_graph = model, kv_width, capture_graph
         self.buffers = dummy_decode_inputs(max_bs, kv_width, device)
+        self.features = dummy_features(model, max_bs, device)  # a draft head's input features
         self.graphs: dict[int, Callable[[], None]] = {}
         self.logits: torch.Tensor | None = None  # every graph's output, [max_bs, vocab]
+        self.hidden: torch.Tensor | None = None  # every graph's hidden states out, [max_bs, width], if kept
         self.pool: Any = None
 
     def _view(self, bs: int) -> DecodeInputs:
         return tuple(t[:bs] for t in self.buffers)  # type: ignore[return-value]
 
+    def _step(self, bs: int) -> StepOutput:
+        features = None if self.features is None else self.features[:bs]
+        return _decode_step(self.model, *self._view(bs), features=features)
+
     def capture(self, bs: int) -> None:
-        inputs = self._view(bs)
         if self.logits is None:  # sized by the first, largest, batch; one buffer instead of one per graph
-            self.logits = torch.empty_like(_decode_step(self.model, *self._view(len(self.buffers[0]))))
-        out = self.logits[:bs]
+            logits, hidden = self._step(len(self.buffers[0]))
+            self.logits = torch.empty_like(logits)
+            self.hidden = None if hidden is None else torch.empty_like(hidden)
+        out, hidden_out = self.logits[:bs], None if self.hidden is None else self.hidden[:bs]
 
         def fn() -> None:
-            out.copy_(_decode_step(self.model, *inputs))
+            logits, hidden = self._step(bs)
+            out.copy_(logits)
+            if hidden_out is not None:
+                hidden_out.copy_(hidden)
 
         self.graphs[bs], self.pool = self.capture_graph(fn, self.pool)
 
-    def replay(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
+    def replay(self, bs: int, fb: ForwardBatch) -> StepOutput:
         if fb.kv_table.shape[1] > self.kv_width:
             raise ValueError(
                 f"a sequence of {fb.kv_table.shape[1]} tokens is above the graphs' {self.kv_width}"
@@ -175,8 +234,11 @@ class CudaGraphDecode:
         table[:, :length].copy_(inputs[3])
         mask.zero_()
         mask[..., :length].copy_(inputs[4])
+        if self.features is not None:
+            self.features[:bs].copy_(pad_features(self.model, bs))
         self.graphs[bs]()
-        return self.logits[:bs].clone()
+        hidden = None if self.hidden is None else self.hidden[:bs].clone()
+        return self.logits[:bs].clone(), hidden
 
 
 # ---------------------------------------------------------------------------------------------- prefill

@@ -7,6 +7,12 @@ Compiled code is cached on disk so that a second start reuses it. Shapes are cap
 decode. A batch pads up to the next captured shape (decode: dummy rows at the reserved padding slot 0; prefill:
 rows attention never sees, at most 2x); larger batches and, on the CPU, shapes whose compiled code measured slower
 than eager run eagerly.
+
+Under speculative decoding the target's verify step is a decode batch of num_draft_tokens rows per request, so
+the verify shapes (each captured batch size x num_draft_tokens rows, as SGLang captures its target verify graph;
+on CUDA only those within the largest decode graph's rows) are captured with the decode ones, on the same step; a draft model's or head's decode steps are captured the same
+way with role="draft". Every captured decode step hands out the hidden states the model keeps for a draft, which
+the graph runner returns with the logits.
 """
 
 from __future__ import annotations
@@ -36,9 +42,13 @@ from kiln.runner.graph_backends import (
     CompiledDecode,
     CompiledPrefill,
     CudaGraphDecode,
+    StepOutput,
     decode_batch,
     dummy_decode_inputs,
     dummy_extend_batch,
+    dummy_features,
+    keeps_hidden,
+    takes_features,
 )
 from kiln.runner.graph_payoff import PayoffStore
 
@@ -66,7 +76,8 @@ class ShapeRecord:
 # ---------------------------------------------------------------------------------------------- the runner
 @dataclass
 class Phase:
-    """Decode or prefill: its sizes, its backend and what was captured."""
+    """Decode, verify or prefill: its sizes, its backend and what was captured. Verify sizes are decode batches
+    of `tokens_per_req` rows per request, counted in rows; they run on the decode backend."""
 
     name: str
     sizes: list[int]  # every size asked for, ascending: a batch's bucket is chosen among these
@@ -75,15 +86,35 @@ class Phase:
     records: dict[int, ShapeRecord]
     seconds: float = 0.0
     mem_bytes: int = 0
+    tokens_per_req: int = 1
 
     @property
     def captured(self) -> list[int]:
         return sorted(s for s, r in self.records.items() if r.kept)
 
+    @property
+    def is_decode(self) -> bool:
+        """Its shapes are decode steps (decode or verify rows), run on a decode backend."""
+        return self.name != "prefill"
+
+    def shape(self, size: int) -> str:
+        """A shape as logs and progress name it: "bs=2", "num_tokens=64", a verify's "bs=2, num_tokens=8"."""
+        if self.is_decode and self.tokens_per_req > 1:
+            return f"bs={size // self.tokens_per_req}, num_tokens={size}"
+        return f"{self.unit}={size}"
+
+    def sizes_text(self) -> str:
+        """The begin line's list, in SGLang's words."""
+        if self.name == "prefill":
+            return f"num_tokens={self.sizes}"
+        batches = [s // self.tokens_per_req for s in self.sizes]
+        return f"num_tokens_per_req={self.tokens_per_req}, bs={batches}"
+
     def summary(self) -> dict:
         return {
             "backend": self.backend.name,
             "sizes": self.sizes,
+            "tokens_per_req": self.tokens_per_req,
             "captured": self.captured,
             "capture_seconds": round(self.seconds, 3),
             "capture_bytes": self.mem_bytes,
@@ -105,18 +136,27 @@ class GraphRunner:
         *,
         attn_backend: AttentionBackend,
         role: str = "target",
+        verify_tokens_per_req: int = 0,
+        decode_tokens_per_req: int = 1,
     ):
         """attn_backend: the attention backend the model runs with (the model runner's); role: "target", or
-        "draft" for a speculative draft model (SGLang's draft capture log lines)."""
+        "draft" for a speculative draft model or head (SGLang's draft capture log lines); verify_tokens_per_req:
+        under speculative decoding, the rows a verify step gives each request (num_draft_tokens; 0: none);
+        decode_tokens_per_req: the rows a decode step gives each request (a tree draft's topk branches)."""
         self.model, self.device, self.role = model, device, role
         self.attn = attn_backend
         self.cuda = device.startswith("cuda")
-        configure_compiler(cache_dir, len(batch_sizes) + len(prefill_tokens or []))
-        self.phases: dict[str, Phase] = {}
         eager_only = getattr(model, "eager_only", None)
         if eager_only:  # nothing captured: every batch runs eagerly
             logger.info(f"Graph capture is off for {type(model).__name__}: {eager_only}; it runs eagerly.")
             batch_sizes, prefill_tokens = [], []
+        decode_rows = sorted({bs * decode_tokens_per_req for bs in batch_sizes})
+        # CUDA: within the rows of the largest decode graph, whose buffers (a static KV width per row) the
+        # ledger's graph reserve counts; the CPU's compiled steps hold no buffers that grow with the rows
+        most = max(decode_rows, default=0) if self.cuda else None
+        verify = [r for r in verify_rows(batch_sizes, verify_tokens_per_req, most) if r not in decode_rows]
+        configure_compiler(cache_dir, len(decode_rows) + len(verify) + len(prefill_tokens or []))
+        self.phases: dict[str, Phase] = {}
         if prefill_tokens:
             prefill = (
                 BreakablePrefill(model, self.attn, device)
@@ -124,13 +164,20 @@ class GraphRunner:
                 else CompiledPrefill(model, self.attn, device)
             )
             self.phases["prefill"] = Phase("prefill", sorted(prefill_tokens), prefill, "num_tokens", {})
-        if batch_sizes:
+        if decode_rows:
+            rows = max(decode_rows + verify)
             decode = (
-                CudaGraphDecode(model, device, max(batch_sizes), min(kv_width, CUDA_GRAPH_KV_WIDTH))
+                CudaGraphDecode(model, device, rows, min(kv_width, CUDA_GRAPH_KV_WIDTH))
                 if self.cuda
                 else CompiledDecode(model, self.attn, device)
             )
-            self.phases["decode"] = Phase("decode", sorted(batch_sizes), decode, "bs", {})
+            if verify:  # the larger shapes first, as SGLang captures them: graphs share their pool better
+                self.phases["verify"] = Phase(
+                    "verify", verify, decode, "bs", {}, tokens_per_req=verify_tokens_per_req
+                )
+            self.phases["decode"] = Phase(
+                "decode", decode_rows, decode, "bs", {}, tokens_per_req=decode_tokens_per_req
+            )
         self.failed_replays = 0
         self.payoff = PayoffStore(cache_dir, model) if not self.cuda and self.phases else None
 
@@ -162,27 +209,27 @@ class GraphRunner:
 
         sizes = sorted(phase.sizes, reverse=True)
         t0, mem0 = time.perf_counter(), used_memory_bytes(self.device)
-        shape = "num_tokens_per_req=1, bs" if phase.name == "decode" else "num_tokens"
         avail_mem = gib(available_memory_bytes(self.device))
+        extend = "" if phase.is_decode else " extend"  # a draft's prefill shapes are its catch-up extends
         if self.role == "draft":  # SGLang's wording, which operators watch for after the target's capture
             logger.info(
-                f"Capture draft {self.kind.lower()} graph begin. This can take up to several minutes. "
-                f"avail mem={avail_mem}, backend={phase.backend.name}, {shape}={phase.sizes}"
+                f"Capture draft{extend} {self.kind.lower()} graph begin. This can take up to several minutes. "
+                f"avail mem={avail_mem}, backend={phase.backend.name}, {phase.sizes_text()}"
             )
         else:
             logger.info(
                 f"Capture target {phase.name} {self.kind} graph begin. backend={phase.backend.name}, "
-                f"{shape}={phase.sizes}, avail mem={avail_mem}"
+                f"{phase.sizes_text()}, avail mem={avail_mem}"
             )
-        label = phase.name if self.role == "target" else f"{self.role} {phase.name}"
+        label = phase.name if self.role == "target" else f"{self.role} {extend.strip() or phase.name}"
         desc = "Capturing " + ("draft " if self.role == "draft" else "")
-        desc += "batches" if phase.name == "decode" else "num tokens"
+        desc += "batches" if phase.is_decode else "num tokens"
         bar = tqdm(sizes, desc=desc, leave=False)
         for i, size in enumerate(bar):
             avail = available_gb(self.device)
-            bar.set_description(f"{desc} ({phase.unit}={size} avail_mem={avail:.2f} GiB)")
+            bar.set_description(f"{desc} ({phase.shape(size)} avail_mem={avail:.2f} GiB)")
             if on_progress:
-                on_progress({"graph": label, "shape": f"{phase.unit}={size}", "done": i, "total": len(sizes),
+                on_progress({"graph": label, "shape": phase.shape(size), "done": i, "total": len(sizes),
                              "avail_mem_gb": round(avail, 2)})  # fmt: skip
             phase.records[size] = self._capture_one(phase, size)
         phase.seconds, phase.mem_bytes = (
@@ -191,7 +238,7 @@ class GraphRunner:
         )
         if self.role == "draft":
             logger.info(
-                f"Capture draft {self.kind.lower()} graph end. Time elapsed: {phase.seconds:.2f} s. "
+                f"Capture draft{extend} {self.kind.lower()} graph end. Time elapsed: {phase.seconds:.2f} s. "
                 f"mem usage={gib(phase.mem_bytes)}. avail mem={gib(available_memory_bytes(self.device))}."
             )
             return
@@ -213,11 +260,14 @@ class GraphRunner:
     def _measure_payoff(self, phase: Phase, rec: ShapeRecord) -> None:
         """Time the compiled shape against eager on a dummy batch; one measurably slower than eager (by more than
         MAX_SLOWDOWN) is dropped. Code loaded from the cache reuses the times measured when it was compiled."""
-        if phase.name == "decode":
+        if phase.is_decode:
             inputs = dummy_decode_inputs(rec.size, CAPTURE_KV_LEN, self.device)
             fb = decode_batch(inputs, self.attn.graph_metadata())
         else:
             fb = dummy_extend_batch(rec.size, self.device, self.attn)
+        if takes_features(self.model):  # a draft head: both runs read the features handed to it
+            rows = rec.size if phase.is_decode else 1
+            self.model.set_features(dummy_features(self.model, rows, self.device))
         earlier = self.payoff.get(phase.name, rec.size) if rec.cache_hit else None
         if earlier is not None:
             phase.backend.replay(rec.size, fb)  # the loaded code runs once before serving
@@ -232,21 +282,30 @@ class GraphRunner:
         hit = " (cache hit)" if rec.cache_hit else ""
         when = ", as measured when it was compiled" if rec.timed_earlier else ""
         logger.info(
-            f"Compiled {phase.name} {phase.unit}={rec.size} in {rec.seconds:.1f} s{hit}: {rec.graph_ms:.1f} ms "
+            f"Compiled {phase.name} {phase.shape(rec.size)} in {rec.seconds:.1f} s{hit}: {rec.graph_ms:.1f} ms "
             f"vs eager {rec.eager_ms:.1f} ms ({rec.eager_ms / rec.graph_ms:.2f}x{when}), {verdict}"
         )
 
-    def try_run(self, fb: ForwardBatch) -> torch.Tensor | None:
-        """Logits of the batch from its captured shape, or None when it must run eagerly."""
+    def _decode_shape(self, fb: ForwardBatch) -> tuple[Phase | None, int | None]:
+        """The decode or verify shape a decode batch pads up to (a verify batch is decode rows too)."""
+        phases = [p for p in self.phases.values() if p.is_decode]
+        n = fb.kv_table.shape[0]
+        size = bucket_for(sorted(s for p in phases for s in p.sizes), n)
+        if size is None:
+            return None, None
+        phase = next(p for p in phases if size in p.sizes)
+        if n > 1 and not phase.backend.reads_shared_prefix_once and fb.attn.mostly_shared:
+            return None, None  # the eager path reads KV shared by the batch once: it wins there
+        return phase, size
+
+    def try_run(self, fb: ForwardBatch) -> StepOutput | None:
+        """Logits of the batch from its captured shape, and the hidden states the model keeps for a draft (None
+        when it keeps none); None when the batch must run eagerly."""
         if fb.mode == ForwardMode.DECODE:
-            phase, n = self.phases.get("decode"), fb.kv_table.shape[0]
-            size = bucket_for(phase.sizes, n) if phase else None
-            shared_once = size is not None and phase.backend.reads_shared_prefix_once
-            if size is not None and n > 1 and not shared_once and fb.attn.mostly_shared:
-                size = None  # the eager path reads KV shared by the batch once: it wins there
+            phase, size = self._decode_shape(fb)
         else:
-            phase, n = self.phases.get("prefill"), int(fb.input_ids.shape[0])
-            size = prefill_bucket_for(phase.sizes, n) if phase else None
+            phase = self.phases.get("prefill")
+            size = prefill_bucket_for(phase.sizes, int(fb.input_ids.shape[0])) if phase else None
         rec = phase.records.get(size) if phase is not None and size is not None else None
         if rec is None or not rec.kept:
             return None
@@ -256,13 +315,27 @@ class GraphRunner:
             self.failed_replays += 1
             if self.failed_replays == 1:
                 logger.warning(
-                    f"{phase.name} graph {phase.unit}={size} could not run a batch ({e!r}); it ran eagerly"
+                    f"{phase.name} graph {phase.shape(size)} could not run a batch ({e!r}); it ran eagerly"
                 )
             return None
-        return out[:n] if phase.name == "decode" else out
+        if not phase.is_decode:  # prefill pieces: the model's own forward kept its hidden states
+            return out, self.model.last_hidden if keeps_hidden(self.model) else None
+        n = fb.kv_table.shape[0]
+        logits, hidden = out
+        return logits[:n], None if hidden is None else hidden[:n]
 
     def summary(self) -> dict:
         return {name: phase.summary() for name, phase in self.phases.items()}
+
+
+def verify_rows(batch_sizes: list[int], tokens_per_req: int, most: int | None = None) -> list[int]:
+    """The verify shapes in rows: each batch size x tokens_per_req (SGLang's target verify graphs), at most
+    `most` rows (None: no limit), but those the decode sizes already hold, ascending; none without speculative
+    decoding."""
+    if tokens_per_req <= 1:
+        return []
+    rows = {bs * tokens_per_req for bs in batch_sizes} - set(batch_sizes)
+    return sorted(r for r in rows if most is None or r <= most)
 
 
 def _time_pair(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kiln.core.forward_batch import ForwardBatch, ForwardMode
+from kiln.core.forward_batch import ForwardBatch
 from kiln.core.sharding import divide, kv_heads_per_rank
 from kiln.core.units import gib
 from kiln.distributed import tp_size
@@ -137,13 +137,14 @@ class ModelRunner:
         with torch.inference_mode():
             # once per step, before graphs or the model: every layer and the graph runner read the same metadata
             fb = replace(fb, attn=self.attn_backend.prepare_metadata(fb))
-            logits = self.graphs.try_run(fb) if self.graphs is not None else None
-            self.last_forward_graph = logits is not None
-            if logits is None:
+            out = self.graphs.try_run(fb) if self.graphs is not None else None
+            self.last_forward_graph = out is not None
+            # the hidden states a draft reads (the model keeps them once a drafter asked): a captured step hands
+            # them out with its logits, since a replayed graph leaves the model's attribute as it was at capture
+            if out is not None:
+                logits, self.last_hidden = out
+            else:
                 logits = self.model(fb)
-        # the hidden states a draft head reads (the model keeps them once a drafter asked): a replayed decode
-        # graph leaves the model's attribute as it was at capture, so it hands none out
-        replayed = self.last_forward_graph and fb.mode == ForwardMode.DECODE
-        self.last_hidden = None if replayed else getattr(self.model, "last_hidden", None)
+                self.last_hidden = getattr(self.model, "last_hidden", None)
         self.last_forward_seconds = time.perf_counter() - t0
         return logits

@@ -64,14 +64,10 @@ def _needs_processing(row: SamplingRow) -> bool:
     return bool(p.logit_bias) or p.needs_penalties or len(row.banned_ids) > 0 or row.vocab_mask is not None
 
 
-def _is_plain_greedy(row: SamplingRow) -> bool:
-    p = row.params
-    return p.is_greedy and not _needs_processing(row) and not _wants_logprobs(p)
-
-
 def is_plain_greedy(row: SamplingRow) -> bool:
     """A greedy row whose token is the plain argmax of its logits: nothing to process, no logprobs."""
-    return _is_plain_greedy(row)
+    p = row.params
+    return p.is_greedy and not _needs_processing(row) and not _wants_logprobs(p)
 
 
 def argmax_ids(logits: torch.Tensor) -> list[int]:
@@ -234,23 +230,32 @@ def _probe_width(p: SamplingParams, vocab: int) -> int:
     return min(vocab, k if TOPK_PROBE < k <= 16 * TOPK_PROBE else TOPK_PROBE)
 
 
-def _draw_probe(w: torch.Tensor, rows: list[SamplingRow], u: torch.Tensor, width: int) -> list[int | None]:
-    """Filtered draws over each row's `width` best candidates; None where the filters reach past them."""
-    dev, dt = w.device, w.dtype
-    vocab = w.shape[-1]
+def _filter_mask(
+    vals: torch.Tensor, total: torch.Tensor, rows: Sequence[SamplingRow], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k / top-p / min-p over its best weights `vals` [N, W] (sorted, largest first; `total` the
+    row's whole mass): independent masks, the most likely token always kept. Also, per row, whether the
+    filters end within these W candidates (always, for W = V)."""
+    dev, dt, width = vals.device, vals.dtype, vals.shape[-1]
     top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=dev)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=dt, device=dev)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=dt, device=dev)
-    vals, ids = w.topk(width, dim=-1)
-    mass = (w.sum(-1) * top_p).masked_fill_(top_p >= 1.0, float("inf")).unsqueeze(-1)
+    mass = (total * top_p).masked_fill_(top_p >= 1.0, float("inf")).unsqueeze(-1)
     cum = vals.cumsum(-1)
     keep = torch.arange(width, device=dev) < top_k.unsqueeze(-1)
     keep &= (cum - vals) < mass
     keep &= vals >= min_p.unsqueeze(-1)
     keep[:, 0] = True
-    done = (top_k <= width) | (cum[:, -1] >= mass.squeeze(-1)) | (vals[:, -1] < min_p)
+    complete = (top_k <= width) | (cum[:, -1] >= mass.squeeze(-1)) | (vals[:, -1] < min_p)
+    return keep, complete
+
+
+def _draw_probe(w: torch.Tensor, rows: list[SamplingRow], u: torch.Tensor, width: int) -> list[int | None]:
+    """Filtered draws over each row's `width` best candidates; None where the filters reach past them."""
+    vals, ids = w.topk(width, dim=-1)
+    keep, complete = _filter_mask(vals, w.sum(-1), rows, w.shape[-1])
     picked = ids.gather(1, _draw(vals * keep, u).unsqueeze(-1)).squeeze(-1)
-    return [tid if ok else None for tid, ok in zip(picked.tolist(), done.tolist(), strict=True)]
+    return [tid if ok else None for tid, ok in zip(picked.tolist(), complete.tolist(), strict=True)]
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
@@ -304,7 +309,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """Pick one next token per row of logits [B, V]; see the module docstring for the semantics."""
     n = len(rows)
     assert logits.dim() == 2 and logits.shape[0] == n, (tuple(logits.shape), n)
-    if all(_is_plain_greedy(r) for r in rows):
+    if all(is_plain_greedy(r) for r in rows):
         return SampleOutput(argmax_ids(logits), [None] * n, [None] * n)
     proc_idx = [i for i, r in enumerate(rows) if _needs_processing(r)]
     processed = logits
@@ -337,16 +342,8 @@ def _filtered_probs(w: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     """Weights w [N, V] (max exactly 1 per row) restricted by each row's top-k / top-p / min-p, as the draws
     above apply them (independent masks over the distribution sorted by weight, the most likely always kept),
     then normalised."""
-    vocab, dev = w.shape[-1], w.device
     vals, order = w.sort(dim=-1, descending=True)
-    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=dev)
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=w.dtype, device=dev)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=w.dtype, device=dev)
-    mass = (vals.sum(-1) * top_p).masked_fill_(top_p >= 1.0, float("inf")).unsqueeze(-1)
-    keep = torch.arange(vocab, device=dev) < top_k.unsqueeze(-1)
-    keep &= (vals.cumsum(-1) - vals) < mass
-    keep &= vals >= min_p.unsqueeze(-1)
-    keep[:, 0] = True
+    keep, _ = _filter_mask(vals, vals.sum(-1), rows, w.shape[-1])
     probs = torch.zeros_like(w).scatter_(-1, order, vals * keep)
     return probs / probs.sum(-1, keepdim=True)
 

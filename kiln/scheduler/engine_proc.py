@@ -37,6 +37,7 @@ from kiln.scheduler.io import (
 
 if TYPE_CHECKING:
     from kiln.scheduler.launch import EngineParts
+    from kiln.scheduler.spec_step import SpecDecoder
 
 logger = logging.getLogger("kiln")
 HEARTBEAT_SECONDS = 1.0
@@ -208,7 +209,15 @@ def _rank_info(parts: EngineParts) -> ServerInfo:
         memory_check=memory_check(ledger, measured),
         graphs=runner.graphs.summary() if runner.graphs is not None else None,
         pid=os.getpid(),
+        draft_graphs=_draft_graphs(parts.scheduler.spec),
     )
+
+
+def _draft_graphs(spec: SpecDecoder | None) -> dict | None:
+    """The draft's captured steps, for /status beside the target's: a watcher sees what capture_draft did."""
+    draft = getattr(getattr(spec, "drafter", None), "runner", None)
+    graphs = getattr(draft, "graphs", None)
+    return graphs.summary() if graphs is not None else None
 
 
 class EngineLoop:

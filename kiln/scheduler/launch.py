@@ -116,7 +116,11 @@ def hybrid_refusal(args: ServerArgs, model_config: ModelConfig) -> str | None:
     return None
 
 
-def capture_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, on_progress) -> None:
+def capture_graphs(
+    runner: ModelRunner, ledger: Ledger, args: ServerArgs, on_progress, verify_tokens_per_req: int = 0
+) -> None:
+    """The target's shapes; under speculative decoding its verify shapes too (verify_tokens_per_req rows per
+    request: num_draft_tokens)."""
     from kiln.runner.compiler import compile_cache_dir
     from kiln.runner.graph_runner import GraphRunner
 
@@ -128,6 +132,7 @@ def capture_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, on_pro
         kv_width=ledger.context_len,
         cache_dir=compile_cache_dir(args.compile_cache_dir),
         attn_backend=runner.attn_backend,
+        verify_tokens_per_req=verify_tokens_per_req,
     )
     graphs.capture(on_progress)
     runner.graphs = graphs
@@ -173,7 +178,9 @@ def _load_runner(
     return runner
 
 
-def _start_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, phase: OnPhase) -> None:
+def _start_graphs(
+    runner: ModelRunner, ledger: Ledger, args: ServerArgs, phase: OnPhase, spec: SpecDecoder | None
+) -> None:
     if runner.device == "cpu" and not ledger.graph_batch_sizes and not args.disable_cuda_graph:
         logger.info(
             "Decode graphs are off on the CPU by default: each batch size compiles at the first start (the "
@@ -182,20 +189,27 @@ def _start_graphs(runner: ModelRunner, ledger: Ledger, args: ServerArgs, phase: 
         )
     if ledger.graph_batch_sizes or ledger.graph_prefill_tokens:
         phase("capturing", {})
-        capture_graphs(runner, ledger, args, lambda info: phase("progress", info))
+        verify = spec.num_draft_tokens if spec is not None else 0
+        capture_graphs(runner, ledger, args, lambda info: phase("progress", info), verify)
 
 
-def _start_draft_graphs(drafter: Drafter, ledger: Ledger, args: ServerArgs, phase: OnPhase) -> None:
-    """The draft model's decode shapes, after the target's: a startup phase of its own with its progress."""
+def _start_draft_graphs(spec: SpecDecoder, ledger: Ledger, args: ServerArgs, phase: OnPhase) -> None:
+    """The draft's decode shapes, after the target's: a startup phase of its own with its progress. A draft
+    model's catch-up extends take the prefill token counts up to the one that holds what a full batch catches up
+    on at once (the largest batch x num_draft_tokens, as SGLang's draft extend graph)."""
+    from kiln.core.graph_shapes import bucket_for
     from kiln.runner.compiler import compile_cache_dir
     from kiln.speculative.draft_model import capture_draft_graphs
 
-    sizes = list(ledger.graph_batch_sizes)
+    sizes, drafter = list(ledger.graph_batch_sizes), spec.drafter
     if sizes and getattr(drafter, "runner", None) is not None:
         phase("capture_draft", {})
         on_progress = lambda info: phase("progress", info)  # noqa: E731
         cache = compile_cache_dir(args.compile_cache_dir)
-        capture_draft_graphs(drafter, sizes, ledger.context_len, cache, on_progress)
+        tokens = sorted(ledger.graph_prefill_tokens)
+        most = bucket_for(tokens, max(sizes) * spec.num_draft_tokens) or max(tokens, default=0)
+        extend = [t for t in tokens if t <= most]  # up to the bucket that holds a full batch's catch-up
+        capture_draft_graphs(drafter, sizes, ledger.context_len, cache, on_progress, extend)
 
 
 def _drafter(
@@ -205,23 +219,27 @@ def _drafter(
     if settings.algorithm == "NGRAM":
         from kiln.speculative.ngram import NgramDrafter
 
-        return NgramDrafter()
+        return NgramDrafter(max_breadth=settings.topk, max_nodes=settings.num_draft)
     path = args.speculative_draft_model_path
     sizes = PoolSizes(
         ledger.max_total_num_tokens, ledger.max_running_requests, ledger.context_len, args.page_size
     )
+    # a chain drafts one token a step up to the verify's width; a tree grows --speculative-num-steps levels and
+    # keeps its best num_draft nodes (SGLang's EAGLE tree)
+    steps = settings.num_draft if settings.topk == 1 else settings.num_steps
+    tree = {"topk": settings.topk, "num_nodes": settings.num_draft}
     if settings.algorithm == "STANDALONE" and path:
         from kiln.speculative.draft_model import build_standalone_drafter
 
-        return build_standalone_drafter(path, runner, tokenizer, sizes, settings.num_draft)
+        return build_standalone_drafter(path, runner, tokenizer, sizes, steps, **tree)
     if settings.algorithm in ("EAGLE", "EAGLE3") and path:
         from kiln.speculative.eagle import build_eagle_drafter
 
-        return build_eagle_drafter(path, runner, sizes, settings.num_draft)
+        return build_eagle_drafter(path, runner, sizes, steps, **tree)
     if settings.algorithm == "NEXTN":  # the model's own MTP layer: no draft path
         from kiln.speculative.nextn import build_nextn_drafter
 
-        return build_nextn_drafter(runner, sizes, settings.num_draft)
+        return build_nextn_drafter(runner, sizes, steps, **tree)
     raise StartupRefused(f"--speculative-algorithm {settings.algorithm} is not available in this build")
 
 
@@ -326,9 +344,9 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
     runner = _load_runner(args, plan, model_config, phase)
     # the drafter first: an EAGLE head sets the target to keep hidden states, which its captured steps then do
     spec = _spec_decoder(spec_settings, runner, tokenizer, ledger, args)
-    _start_graphs(runner, ledger, args, phase)
+    _start_graphs(runner, ledger, args, phase, spec)
     if spec is not None:
-        _start_draft_graphs(spec.drafter, ledger, args, phase)
+        _start_draft_graphs(spec, ledger, args, phase)
     scheduler = _scheduler(runner, tokenizer, ledger, args, spec)
     logger.info(
         f"max_total_num_tokens={ledger.max_total_num_tokens}, chunked_prefill_size={ledger.chunked_prefill_size}, "

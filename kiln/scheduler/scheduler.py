@@ -129,7 +129,7 @@ class Scheduler:
         self.grammars = GrammarCache(backend) if backend is not None else None
         self.grammar_queue: list[Req] = []  # constrained requests whose matcher is compiling
         self.decode_log_interval = decode_log_interval
-        self.spec = spec  # speculative decoding: decode steps verify the drafter's chains
+        self.spec = spec  # speculative decoding: decode steps verify the drafter's chains or trees
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None

@@ -1,8 +1,9 @@
-"""The speculative decode step: the drafter proposes a chain of tokens per running request, the target runs
-ONE forward over each request's last token and its drafts (decode rows on top of its KV, logits at every row), the
-verify rules of kiln.speculative.verify decide what is kept, the rejected drafts' KV slots go back to the pool,
-and the kept tokens are appended one by one through the OutputProcessor, so stop ids, stop strings and
-max_new_tokens end the request exactly where plain decoding would.
+"""The speculative decode step: the drafter proposes a chain or a tree of tokens per running request, the target
+runs ONE forward over each request's last token and its drafts (decode rows on top of its KV, logits at every
+row; a tree node's row sees only its own path), the verify rules of kiln.speculative.verify decide what is kept,
+the accepted path's KV is moved to the columns plain decoding would have written, the rejected drafts' KV slots go
+back to the pool, and the kept tokens are appended one by one through the OutputProcessor, so stop ids, stop
+strings and max_new_tokens end the request exactly where plain decoding would.
 
 Grammar-constrained requests are not speculated: they take no drafts (their row is sampled under the grammar
 mask as in plain decoding). A step where no request has drafts is a plain decode step.
@@ -11,6 +12,7 @@ mask as in plain decoding). A step where no request has drafts is a plain decode
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,8 +27,8 @@ from kiln.scheduler.io import ReqOutput, RequestCounters
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.req import Req
-from kiln.speculative.base import Drafter, DraftInput
-from kiln.speculative.verify import Chain, Verdict, verify_batch
+from kiln.speculative.base import Drafter, DraftInput, DraftTree
+from kiln.speculative.verify import Chain, Tree, Verdict, verify_batch
 
 logger = logging.getLogger("kiln")
 
@@ -65,22 +67,38 @@ class SpecTotals:
     per_request: dict[str, SpecCounts] = field(default_factory=dict)
 
 
-def build_verify(reqs: list[Req], drafts: list[list[int]], table: ReqToTokenPool) -> ForwardBatch:
-    """Each request's last token and its drafts at positions kv_len.. (their slots already in the table), as
-    decode rows: row j of a request attends to its first kv_len + j + 1 slots, the drafts before it included
-    (every row's KV is written before any row attends). Each row is then computed exactly as plain decoding
-    computes that token, which is what keeps greedy output identical; an extend would round differently."""
+def build_verify(reqs: list[Req], trees: list[DraftTree], table: ReqToTokenPool) -> ForwardBatch:
+    """Each request's last token (the root) at column kv_len and its draft node i at column kv_len + 1 + i (their
+    slots already in the table), as decode rows: the root's row attends to the first kv_len + 1 columns, node i's
+    to those plus the columns of its path (its ancestors and itself, in order), at position kv_len + depth(i).
+    Every row's KV is written before any row attends. Each row is then computed exactly as plain decoding
+    computes that token after that path, which is what keeps greedy output identical (an extend would round
+    differently); a chain's rows are the first kv_len + j + 1 columns, the table's own order."""
     ids: list[int] = []
-    owners, lengths = [], []
-    for r, draft in zip(reqs, drafts):
+    owners, lengths, columns = [], [], []
+    # (batch row, first path column, path columns) of the rows whose path leaves the table's column order
+    detours: list[tuple[int, int, list[int]]] = []
+    for r, tree in zip(reqs, trees):
+        base = r.kv_len
         ids.append(r.last_token)
-        ids.extend(draft)
-        owners.extend([r.table_idx] * (len(draft) + 1))
-        lengths.extend(range(r.kv_len + 1, r.kv_len + len(draft) + 2))
+        ids.extend(tree.tokens)
+        owners.extend([r.table_idx] * (len(tree) + 1))
+        columns.extend(range(base, base + len(tree) + 1))
+        lengths.append(base + 1)
+        paths: list[list[int]] = []
+        for node, parent in enumerate(tree.parents):
+            path = (paths[parent] if parent >= 0 else []) + [base + 1 + node]
+            paths.append(path)
+            lengths.append(base + 1 + len(path))
+            if node != len(path) - 1:  # not a chain's node: its path leaves the table's column order
+                detours.append((len(lengths) - 1, base + 1, path))
     rows = torch.tensor(owners, dtype=torch.int64)
     seq_lens = torch.tensor(lengths, dtype=torch.int64)
-    new_slots = table.req_to_token[rows, seq_lens - 1]
+    new_slots = table.req_to_token[rows, torch.tensor(columns, dtype=torch.int64)]
     kv_table, mask = table.decode_table(rows, seq_lens)
+    for row, first, path in detours:
+        index = torch.tensor(path, dtype=torch.int64, device=table.device)
+        kv_table[row, first : first + len(path)] = table.req_to_token[owners[row], index]
     return ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -90,6 +108,28 @@ def build_verify(reqs: list[Req], drafts: list[list[int]], table: ReqToTokenPool
         kv_table=kv_table,
         kv_mask=mask,
     )
+
+
+def sampling_rows(
+    r: Req, tree: DraftTree, banned_ids: Callable[[Req, int], Sequence[int]]
+) -> list[SamplingRow]:
+    """The sampling row of each verify row of r: the root's as plain decoding's next row, node i's as if its
+    path's tokens were already output (penalties, min_new_tokens bans by depth); `banned_ids(r, depth)`."""
+    outputs: list[list[int]] = []
+    rows = [SamplingRow(r.params, r.generator, r.input_ids, list(r.output_ids), banned_ids(r, 0))]
+    for node, parent in enumerate(tree.parents):
+        path_tokens = (outputs[parent] if parent >= 0 else []) + [tree.tokens[node]]
+        outputs.append(path_tokens)
+        rows.append(
+            SamplingRow(
+                r.params,
+                r.generator,
+                r.input_ids,
+                r.output_ids + path_tokens,
+                banned_ids(r, len(path_tokens)),
+            )
+        )
+    return rows
 
 
 class SpecDecoder:
@@ -102,36 +142,44 @@ class SpecDecoder:
         self.totals = SpecTotals()
 
     # ------------------------------------------------------------------ drafting
-    def _room(self, sched: Scheduler, r: Req) -> int:
-        """Drafts worth verifying for r: none under a grammar; never past max_new_tokens or the context."""
+    def _room(self, sched: Scheduler, r: Req) -> tuple[int, int]:
+        """(deepest path, most nodes) worth verifying for r: none under a grammar; no path past max_new_tokens,
+        no node's column past the context."""
         if r.matcher is not None:
-            return 0
+            return 0, 0
         context_room = sched.out.context_len - 1 - r.kv_len
-        return max(0, min(self.num_draft, r.remaining_new_tokens() - 1, context_room))
+        nodes = max(0, min(self.num_draft, context_room))
+        depth = max(0, min(nodes, r.remaining_new_tokens() - 1))
+        return depth, nodes if depth else 0
 
-    def _drafts(self, sched: Scheduler, reqs: list[Req]) -> list[list[int]]:
+    def _drafts(self, sched: Scheduler, reqs: list[Req]) -> list[DraftTree]:
+        """Each request's proposal as a tree cut to its room (DraftTree.cut); all empty when the pool is short."""
         rooms = [self._room(sched, r) for r in reqs]
-        inputs = [DraftInput(r.rid, r.fill_ids, room) for r, room in zip(reqs, rooms)]
+        table = sched.kv.table.req_to_token
+        inputs = [
+            DraftInput(r.rid, r.fill_ids, depth, kv_slots=table[r.table_idx, : r.kv_len])
+            for r, (depth, _) in zip(reqs, rooms)
+        ]
         proposed = self.drafter.propose(inputs)
-        drafts = [list(d[:room]) for d, room in zip(proposed, rooms)]
+        trees = [DraftTree.of(p).cut(nodes, depth) for p, (depth, nodes) in zip(proposed, rooms)]
         page = sched.kv.page_size
-        need = sum(-(-(len(d) + 1) // page) * page for d in drafts)
+        need = sum(-(-(len(t) + 1) // page) * page for t in trees)
         if need > sched.kv.free_tokens() + sched.kv.evictable_tokens():
-            return [[] for _ in reqs]  # the pool is short: this step decodes plainly
-        return drafts
+            return [DraftTree((), ()) for _ in reqs]  # the pool is short: this step decodes plainly
+        return trees
 
     # ------------------------------------------------------------------ the step
     def run(self, sched: Scheduler) -> int | None:
         """One speculative decode step over sched.running: the tokens it produced (0 when the forward failed
         and its requests were failed); None when no request has drafts, and the caller decodes plainly."""
         reqs = list(sched.running)
-        drafts = self._drafts(sched, reqs)
-        if not any(drafts):
+        trees = self._drafts(sched, reqs)
+        if not any(len(t) for t in trees):
             return None
-        counts = [len(d) + 1 for d in drafts]
+        counts = [len(t) + 1 for t in trees]
         if not sched.kv.alloc_verify(reqs, counts):
             return None
-        fb = build_verify(reqs, drafts, sched.kv.table)
+        fb = build_verify(reqs, trees, sched.kv.table)
         bases = [r.kv_len for r in reqs]
         for r, count in zip(reqs, counts):  # the new slots are the request's own: a failure releases them
             r.kv_len += count
@@ -142,20 +190,15 @@ class SpecDecoder:
             return 0
         hidden = getattr(sched.runner, "last_hidden", None)
         starts = [sum(counts[:i]) for i in range(len(counts))]
-        plain = [i for i, d in enumerate(drafts) if not d]
-        drafted = [i for i, d in enumerate(drafts) if d]
+        plain = [i for i, t in enumerate(trees) if not len(t)]
+        drafted = [i for i, t in enumerate(trees) if len(t)]
         verdicts = self._verdicts(
-            sched, [reqs[i] for i in drafted], [drafts[i] for i in drafted], logits, starts, drafted
+            sched, [reqs[i] for i in drafted], [trees[i] for i in drafted], logits, starts, drafted
         )
         produced = 0
         for i, verdict in zip(drafted, verdicts):
             produced += self._apply(
-                sched,
-                reqs[i],
-                verdict,
-                bases[i],
-                bases[i] + counts[i],
-                _rows(hidden, starts[i], len(verdict.tokens)),
+                sched, reqs[i], verdict, trees[i], (bases[i], bases[i] + counts[i]), (hidden, starts[i])
             )
         produced += self._plain_rows(
             sched, [reqs[i] for i in plain], logits, [starts[i] for i in plain], hidden
@@ -166,35 +209,39 @@ class SpecDecoder:
         self,
         sched: Scheduler,
         reqs: list[Req],
-        drafts: list[list[int]],
+        trees: list[DraftTree],
         logits: torch.Tensor,
         starts: list[int],
         index: list[int],
     ) -> list[Verdict]:
-        chains = []
-        for r, draft, i in zip(reqs, drafts, index):
-            rows = [
-                SamplingRow(
-                    r.params, r.generator, r.input_ids, r.output_ids + draft[:j], sched.out.banned_ids(r, j)
-                )
-                for j in range(len(draft) + 1)
-            ]
-            chains.append(Chain(logits[starts[i] : starts[i] + len(draft) + 1], rows, draft))
-        verdicts = verify_batch(chains)
+        items: list[Chain | Tree] = []
+        for r, tree, i in zip(reqs, trees, index):
+            rows = sampling_rows(r, tree, sched.out.banned_ids)
+            rows_logits = logits[starts[i] : starts[i] + len(tree) + 1]
+            # a chain keeps chain verification: the same draws, and a drafter's q where it gives one
+            items.append(
+                Chain(rows_logits, rows, list(tree.tokens))
+                if tree.is_chain()
+                else Tree(rows_logits, rows, tree)
+            )
+        verdicts = verify_batch(items)
         if distributed.tp_size() == 1:
             return verdicts
-        return _rank0_verdicts(verdicts, drafts)
+        return _rank0_verdicts(verdicts, [len(t) for t in trees])
 
     def _apply(
         self,
         sched: Scheduler,
         r: Req,
         verdict: Verdict,
-        base: int,
-        allocated: int,
-        hidden: torch.Tensor | None,
+        tree: DraftTree,
+        span: tuple[int, int],
+        hidden_rows: tuple[torch.Tensor | None, int],
     ) -> int:
-        """Append the verdict's tokens until the request ends, keep their KV, tell the drafter."""
+        """Append the verdict's tokens until the request ends, keep their KV, tell the drafter. `span`: the
+        request's kv_len before the step and after its allocation; `hidden_rows`: the forward's hidden states
+        and the request's first row in them."""
+        base, allocated = span
         kept: list[int] = []
         for j, token in enumerate(verdict.tokens):
             sched.out.append_token(r, token, verdict.logprobs[j], verdict.top_logprobs[j])
@@ -202,11 +249,14 @@ class SpecDecoder:
             kept.append(token)
             if r.finished:
                 break
-        # plain decoding's invariant: every token but the newest has its KV
+        # plain decoding's invariant: every token but the newest has its KV, at its own column
+        path = tree.follow(kept[:-1])
+        _place_path(sched, r, path, base)
         sched.kv.trim(r, base + len(kept), allocated)
         self._count(r.rid, len(kept) - 1)
         if not r.finished:  # a finished request is released instead
-            self.drafter.accepted(r.rid, kept, hidden)
+            hidden, start = hidden_rows
+            self.drafter.accepted(r.rid, kept, _path_hidden(hidden, start, path))
         if r.finished:
             sched.running.remove(r)
             sched._finish(r)
@@ -281,17 +331,43 @@ def _rows(hidden: torch.Tensor | None, start: int, count: int) -> torch.Tensor |
     return hidden[start : start + count]
 
 
-def _rank0_verdicts(verdicts: list[Verdict], drafts: list[list[int]]) -> list[Verdict]:
+def _place_path(sched: Scheduler, r: Req, path: list[int], base: int) -> None:
+    """Move the KV of the accepted nodes `path` (node i sits at column base + 1 + i) to columns base + 1 ..
+    base + len(path), where plain decoding writes them, so later steps, the radix cache and trim see plain
+    decoding's layout; a chain's nodes are already there. Sources lie at or after their destinations, and
+    copy_slots reads every source before it writes."""
+    moves = [(base + 1 + node, base + 1 + k) for k, node in enumerate(path) if node != k]
+    if not moves:
+        return
+    slots = sched.kv.table.req_to_token[r.table_idx]
+    src = slots[torch.tensor([m[0] for m in moves], dtype=torch.int64, device=slots.device)]
+    dst = slots[torch.tensor([m[1] for m in moves], dtype=torch.int64, device=slots.device)]
+    sched.runner.kv_pool.copy_slots(src, dst)
+
+
+def _path_hidden(hidden: torch.Tensor | None, start: int, path: list[int]) -> torch.Tensor | None:
+    """The target's hidden rows that predicted the kept tokens: the root's, then each accepted node's."""
+    if not isinstance(hidden, torch.Tensor):
+        return None
+    if path == list(range(len(path))):  # a chain: consecutive rows
+        return hidden[start : start + len(path) + 1]
+    index = torch.tensor(
+        [start] + [start + 1 + node for node in path], dtype=torch.int64, device=hidden.device
+    )
+    return hidden.index_select(0, index)
+
+
+def _rank0_verdicts(verdicts: list[Verdict], sizes: list[int]) -> list[Verdict]:
     """Rank 0's kept tokens on every rank (as plain decoding broadcasts its sampled ids): each request's
-    tokens padded with -1 to its chain length + 1."""
+    tokens padded with -1 to its draft count + 1 (every rank then follows the same path down its tree)."""
     flat: list[int] = []
-    for verdict, draft in zip(verdicts, drafts):
-        flat.extend(verdict.tokens + [-1] * (len(draft) + 1 - len(verdict.tokens)))
+    for verdict, size in zip(verdicts, sizes):
+        flat.extend(verdict.tokens + [-1] * (size + 1 - len(verdict.tokens)))
     flat = distributed.broadcast_token_ids(flat)
     out, start = [], 0
-    for verdict, draft in zip(verdicts, drafts):
-        tokens = [t for t in flat[start : start + len(draft) + 1] if t >= 0]
-        start += len(draft) + 1
+    for verdict, size in zip(verdicts, sizes):
+        tokens = [t for t in flat[start : start + size + 1] if t >= 0]
+        start += size + 1
         n = len(tokens)
         logprobs = (verdict.logprobs + [None] * n)[:n]
         top = (verdict.top_logprobs + [None] * n)[:n]

@@ -127,6 +127,7 @@ class Launcher:
         self.state.info = info
         self.state.startup.ledger = info.ledger
         self.state.startup.graphs = info.graphs
+        self.state.startup.draft_graphs = info.draft_graphs
         tokenizer = await tokenizer_future
         client = EngineClient(self.engine_addr, self.front_addr)
         if not self.args.disable_metrics:

@@ -33,6 +33,7 @@ class StartupState:
         self.ledger: dict | None = None
         self.memory_check: list | None = None
         self.graphs: dict | None = None
+        self.draft_graphs: dict | None = None
         # what loading each Kiln extension took: building_kernels' last report
         self.kernels: list | None = None
         self._t0 = self._phase_start = time.time()
@@ -84,6 +85,7 @@ class StartupState:
             "ledger": self.ledger,
             "memory_check": self.memory_check,
             "graphs": self.graphs,
+            "draft_graphs": self.draft_graphs,
             "kernels": self.kernels,
         }
 

@@ -8,20 +8,23 @@ accepted ones, so the draft's KV only ever holds tokens the target kept and a re
 undo.
 
 `ChainDrafter` is that loop for any draft model; the EAGLE heads (eagle.py) feed it features as well as tokens.
+With --speculative-eagle-topk above 1 it grows a tree instead, as SGLang's EAGLE worker does (`_Branches`,
+`select_tree`): every draft step expands the `topk` best branches so far by their `topk` likeliest children, each
+branch attending to the kept KV and its own path's draft KV only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
-from kiln.speculative.base import DraftInput
+from kiln.speculative.base import DraftInput, DraftTree
 
 logger = logging.getLogger("kiln")
 
@@ -56,24 +59,101 @@ class _CatchUp:
     features: torch.Tensor | None = None
 
 
-class ChainDrafter:
-    """Drives a draft model greedily: a chain of up to `num_steps` tokens per request (topk 1)."""
+def top_candidates(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the `count` highest scores, best first; a tie goes to the earlier index, which in SGLang's
+    flat order is never a descendant of the later one, so a chosen node's parent is always chosen too."""
+    return torch.sort(scores, descending=True, stable=True).indices[:count]
 
-    def __init__(self, runner: ModelRunner, num_steps: int):
+
+def select_tree(
+    scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: int
+) -> DraftTree:
+    """SGLang's organize_draft_results for one request: of every candidate (flat order: the root's top k, then
+    k x k per later step; `parents` holds each one's parent's flat index, -1 for the root), the `num_nodes` best
+    scored, kept in flat order so that parents come first and siblings keep their likeliest-first order. A
+    child's score is its parent's times a probability, never more: the set holds every chosen node's ancestors."""
+    chosen = torch.sort(top_candidates(scores, num_nodes)).values.tolist()
+    where = {flat: node for node, flat in enumerate(chosen)}
+    token_ids, parent_ids = tokens.tolist(), parents.tolist()
+    return DraftTree(
+        tuple(token_ids[flat] for flat in chosen),
+        tuple(-1 if parent_ids[flat] < 0 else where[parent_ids[flat]] for flat in chosen),
+    )
+
+
+@dataclass
+class _Branches:
+    """One request's tree while it grows, as SGLang's draft_forward for topk > 1 keeps it: every candidate so far
+    in SGLang's flat order with its cumulative score (the product of the draft's probabilities down its path),
+    token and parent; the `topk` live branches the next step expands, the draft KV slots of the path each has
+    been forwarded along, and the rows of the last forward whose hidden states are their features."""
+
+    work: _CatchUp
+    scores: list[torch.Tensor]
+    tokens: list[torch.Tensor]
+    parents: list[torch.Tensor]
+    live: torch.Tensor  # flat indices of the live branches
+    live_scores: torch.Tensor
+    live_tokens: torch.Tensor
+    paths: torch.Tensor  # [topk, steps so far - 1] draft KV slots, on the KV pool's device
+    rows: torch.Tensor
+    size: int
+
+    @classmethod
+    def first(
+        cls, work: _CatchUp, probs: torch.Tensor, tokens: torch.Tensor, row: int, device: torch.device
+    ) -> _Branches:
+        """The root's `topk` likeliest children (SGLang's first select_top_k_tokens), all live."""
+        k = probs.numel()
+        return cls(
+            work, [probs], [tokens], [torch.full((k,), -1, dtype=torch.int64)], torch.arange(k), probs, tokens,
+            torch.empty((k, 0), dtype=torch.int64, device=device), torch.full((k,), row, dtype=torch.int64), k,
+        )  # fmt: skip
+
+    def expand(self, probs: torch.Tensor, tokens: torch.Tensor, paths: torch.Tensor, first_row: int) -> None:
+        """One step: each live branch's `topk` likeliest children ([topk, topk] `probs` and `tokens`, the live
+        branches forwarded along `paths` at rows `first_row`..) become candidates; the best `topk` of them live on."""
+        k = probs.shape[0]
+        above = self.live_scores.unsqueeze(1)
+        scores = torch.minimum(above * probs, above).flatten()  # rounding never lifts a child over its parent
+        self.scores.append(scores)
+        self.tokens.append(tokens.flatten())
+        self.parents.append(self.live.repeat_interleave(k))
+        pick = top_candidates(scores, k)
+        self.live, self.size = self.size + pick, self.size + scores.numel()
+        self.live_scores, self.live_tokens = scores[pick], tokens.flatten()[pick]
+        parent_rows = pick // k
+        self.paths = paths[parent_rows.to(paths.device)]
+        self.rows = first_row + parent_rows
+
+    def tree(self, num_nodes: int | None) -> DraftTree:
+        scores = torch.cat(self.scores)
+        count = scores.numel() if num_nodes is None else num_nodes
+        return select_tree(scores, torch.cat(self.tokens), torch.cat(self.parents), count)
+
+
+class ChainDrafter:
+    """Drives a draft model greedily: a chain of up to `num_steps` tokens per request (topk 1), or with `topk`
+    above 1 a tree of `num_steps` levels and at most `num_nodes` nodes (None: every candidate)."""
+
+    def __init__(self, runner: ModelRunner, num_steps: int, topk: int = 1, num_nodes: int | None = None):
         self.runner = runner
         self.num_steps = num_steps
+        self.topk = topk
+        self.num_nodes = num_nodes
         self.sequences: dict[str, _Sequence] = {}
         # since startup: what the model proposed (the verify step counts what the target kept)
         self.drafted_tokens = 0
 
     # ---- the Drafter protocol
-    def propose(self, inputs: list[DraftInput]) -> list[list[int]]:
+    def propose(self, inputs: list[DraftInput]) -> list[list[int] | DraftTree]:
         work = [c for c in (self._plan(inp) for inp in inputs) if c is not None]
-        chains = self._draft(work) if work else {}
+        draft = self._draft if self.topk == 1 else self._draft_trees
+        drafts: dict[str, list[int] | DraftTree] = draft(work) if work else {}
         for c in work:  # the draft's guesses leave its KV: only what the target keeps stays
             self._trim(self.sequences[c.rid], c.start + len(c.ids))
-        self.drafted_tokens += sum(len(chain) for chain in chains.values())
-        return [chains.get(inp.rid, []) for inp in inputs]
+        self.drafted_tokens += sum(len(d) for d in drafts.values())
+        return [drafts.get(inp.rid, []) for inp in inputs]
 
     def accepted(self, rid: str, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Nothing to do here: the next propose sees the kept tokens in its inputs and catches up on them in
@@ -140,7 +220,7 @@ class ChainDrafter:
             self.runner.forward(fb)
             self.sequences[c.rid].kept = c.start + CATCH_UP_CHUNK
             rest = None if c.features is None else c.features[CATCH_UP_CHUNK:]
-            c = _CatchUp(c.rid, c.ids[CATCH_UP_CHUNK:], c.start + CATCH_UP_CHUNK, c.steps, rest)
+            c = replace(c, ids=c.ids[CATCH_UP_CHUNK:], start=c.start + CATCH_UP_CHUNK, features=rest)
         return c
 
     def _draft(self, work: list[_CatchUp]) -> dict[str, list[int]]:
@@ -167,6 +247,80 @@ class ChainDrafter:
                 chains[c.rid].append(t)
         return chains
 
+    def _draft_trees(self, work: list[_CatchUp]) -> dict[str, DraftTree]:
+        """topk > 1: the catch-up extend gives each request's first `topk` branches; each later step forwards
+        every live branch (one decode row each, on a draft KV slot of its own) and keeps the best `topk` of their
+        children. Every guess slot is freed at the end: the next catch-up recomputes what the target kept."""
+        work = [c for c in (self._feed_leading(c) for c in work) if c is not None]
+        fb = self._extend_batch(work) if work else None
+        if fb is None:
+            return {}
+        self._set_features(self._cat([c.features for c in work]))
+        probs, tokens = self._top(self.runner.forward(fb))
+        for c in work:
+            self.sequences[c.rid].kept = c.start + len(c.ids)
+        device = self.runner.allocator.device
+        trees = [_Branches.first(c, probs[i], tokens[i], i, device) for i, c in enumerate(work)]
+        guesses: list[torch.Tensor] = []
+        try:
+            for step in range(1, max(c.steps for c in work)):
+                if not self._grow([b for b in trees if b.work.steps > step], step, guesses):
+                    break
+        finally:
+            for slots in guesses:
+                self.runner.allocator.free(slots)
+        return {b.work.rid: b.tree(self.num_nodes) for b in trees}
+
+    def _grow(self, active: list[_Branches], step: int, guesses: list[torch.Tensor]) -> bool:
+        """Forward the live branches of `active` one step and expand them; False when the pool is short."""
+        features = self._step_features()  # the last forward's rows, read before this one replaces them
+        batch = self._tree_batch(active, step)
+        if batch is None:
+            return False
+        fb, paths = batch
+        guesses.append(fb.out_cache_loc)
+        rows = torch.cat([b.rows for b in active])
+        self._set_features(None if features is None else features[rows.to(features.device)])
+        probs, tokens = self._top(self.runner.forward(fb))
+        k = self.topk
+        for i, b in enumerate(active):
+            b.expand(probs[i * k : (i + 1) * k], tokens[i * k : (i + 1) * k], paths[i], i * k)
+        return True
+
+    def _tree_batch(
+        self, active: list[_Branches], step: int
+    ) -> tuple[ForwardBatch, list[torch.Tensor]] | None:
+        """Step `step` of the trees: each live branch's token at position kept + step - 1, attending to the
+        request's kept columns and its own path (its ancestors' slots and its own); with each tree's new paths."""
+        k = self.topk
+        slots = self._alloc(len(active) * k)
+        if slots is None:
+            return None
+        paths = [
+            torch.cat((b.paths, slots[i * k : (i + 1) * k].unsqueeze(1)), dim=1) for i, b in enumerate(active)
+        ]
+        seqs = [self.sequences[b.work.rid] for b in active]
+        rows = torch.tensor([seq.table_idx for seq in seqs], dtype=torch.int64).repeat_interleave(k)
+        columns = torch.tensor([seq.kept - seq.base for seq in seqs], dtype=torch.int64).repeat_interleave(k)
+        kv_table, mask = self.runner.table.branch_table(rows, columns, torch.cat(paths))
+        positions = [b.work.start + len(b.work.ids) + step - 1 for b in active]
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.cat([b.live_tokens for b in active]),
+            positions=torch.tensor(positions, dtype=torch.int64).repeat_interleave(k),
+            out_cache_loc=slots,
+            logits_index=torch.arange(len(active) * k),
+            kv_table=kv_table,
+            kv_mask=mask,
+        )
+        return fb, paths
+
+    def _top(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `topk` likeliest tokens (target ids) and their probabilities, as SGLang's draft step takes
+        them from the softmax of the draft's logits."""
+        probs, ids = torch.softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        return probs.cpu(), self._to_target_ids(ids).cpu()
+
     def _greedy(self, logits: torch.Tensor) -> list[int]:
         return self._to_target_ids(logits.argmax(dim=-1)).tolist()
 
@@ -177,8 +331,16 @@ class ChainDrafter:
     def _alloc(self, n: int) -> torch.Tensor | None:
         return self.runner.allocator.alloc(n)
 
+    def _catch_up_slots(self, work: list[_CatchUp]) -> torch.Tensor | None:
+        """The KV slots of the tokens a catch-up feeds, in order; None when the pool is short."""
+        return self._alloc(sum(len(c.ids) for c in work))
+
+    def _free(self, slots: torch.Tensor) -> None:
+        """Give back slots of a sequence's table row (trimmed guesses, or everything on release)."""
+        self.runner.allocator.free(slots)
+
     def _extend_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
-        slots = self._alloc(sum(len(c.ids) for c in work))
+        slots = self._catch_up_slots(work)
         if slots is None:
             return None
         table, ids, positions, seq_slots, rows, offset = self.runner.table.req_to_token, [], [], [], [], 0
@@ -236,7 +398,7 @@ class ChainDrafter:
         slots = row[first:used]
         slots = slots[slots > 0]  # page 0 is never handed out: a zero is a column nothing was written to
         if slots.numel():
-            self.runner.allocator.free(slots.clone())
+            self._free(slots.clone())
         row[first:used] = 0
         seq.kept = max(min(seq.kept, length), seq.base)
 
@@ -271,10 +433,17 @@ def check_same_vocabulary(target: tuple[str, int, object], draft: tuple[str, int
 
 
 def build_standalone_drafter(
-    path: str, target: ModelRunner, target_tokenizer, sizes: PoolSizes, num_steps: int, prepack: bool = True
+    path: str,
+    target: ModelRunner,
+    target_tokenizer,
+    sizes: PoolSizes,
+    num_steps: int,
+    prepack: bool = True,
+    topk: int = 1,
+    num_nodes: int | None = None,
 ) -> StandaloneDrafter:
-    """The draft model at `path` loaded in the target's dtypes on its own KV pool and request table (`sizes`);
-    DraftRefused when its vocabulary or tokenizer is not the target's."""
+    """The draft model at `path` loaded in the target's dtypes on its own KV pool and request table (`sizes`),
+    drafting chains (topk 1) or trees; DraftRefused when its vocabulary or tokenizer is not the target's."""
     from kiln.loader.model_config import read_hf_config
     from kiln.text.tokenizer import load_tokenizer
 
@@ -287,33 +456,43 @@ def build_standalone_drafter(
     runner = ModelRunner(cfg, target.dtype, target.kv_dtype, target.device)
     logger.info(f"Draft model {path}:")
     runner.load(max(sizes.context_len, cfg.max_position_embeddings) + 8, prepack=prepack)
-    runner.init_memory_pool(draft_pool_sizes(sizes, num_steps))
-    return StandaloneDrafter(runner, num_steps)
+    runner.init_memory_pool(draft_pool_sizes(sizes, num_steps, topk))
+    return StandaloneDrafter(runner, num_steps, topk, num_nodes)
 
 
-def draft_pool_sizes(target: PoolSizes, num_steps: int) -> PoolSizes:
+def draft_pool_sizes(target: PoolSizes, num_steps: int, topk: int = 1) -> PoolSizes:
     """The draft's pool: the target's token count (the ledger counts the draft's bytes per token into the pool),
-    never more than its running requests reach with their guesses; pages of one token, as its rows are trimmed
-    to the token. A draft that finds its pool short proposes nothing for that step."""
+    never more than its running requests reach with their guesses (`topk` branches a step for a tree); pages of
+    one token, as its rows are trimmed to the token. A draft that finds its pool short proposes nothing for that
+    step, or a smaller tree."""
     running, context = target.max_running_requests, target.context_len
-    tokens = min(target.max_total_num_tokens, running * (context + num_steps))
+    tokens = min(target.max_total_num_tokens, running * (context + topk * num_steps))
     return PoolSizes(tokens, running, context + num_steps, 1)
 
 
 def capture_draft_graphs(
-    drafter: ChainDrafter, batch_sizes: list[int], kv_width: int, cache_dir: str | None, on_progress=None
+    drafter: ChainDrafter,
+    batch_sizes: list[int],
+    kv_width: int,
+    cache_dir: str | None,
+    on_progress=None,
+    extend_tokens: list[int] | None = None,
 ) -> bool:
-    """The draft model's decode steps captured at the target's batch sizes (CUDA graphs, or compiled on the CPU),
-    as the target's are; False when this draft runs eagerly (an EAGLE head, whose features are an input the
-    captured step does not take)."""
-    if not batch_sizes or not isinstance(drafter, StandaloneDrafter):
+    """The draft's decode steps captured at the target's batch sizes (CUDA graphs, or compiled on the CPU), as the
+    target's are: a draft model's, or an EAGLE / EAGLE-3 / NEXTN head's with its features as a static input (as
+    SGLang's EAGLE draft graphs take them), topk rows per request when it drafts trees (SGLang's draft decode
+    graph's num_tokens_per_req); False when there is nothing to capture. A draft model's catch-up
+    extends also run on the prefill pieces at `extend_tokens` token counts; a head's layers do not split into the
+    pieces Kiln's prefill capture takes, so its extends run eagerly."""
+    if not batch_sizes or not isinstance(drafter, ChainDrafter):
         return False
     from kiln.runner.graph_runner import GraphRunner
 
     runner = drafter.runner
+    extend = extend_tokens if isinstance(drafter, StandaloneDrafter) else None
     graphs = GraphRunner(
-        runner.model, runner.device, batch_sizes, None, kv_width, cache_dir, attn_backend=runner.attn_backend,
-        role="draft",
+        runner.model, runner.device, batch_sizes, extend, kv_width, cache_dir, attn_backend=runner.attn_backend,
+        role="draft", decode_tokens_per_req=drafter.topk,  # a tree's steps run topk rows per request
     )  # fmt: skip
     graphs.capture(on_progress)
     runner.graphs = graphs

@@ -25,7 +25,8 @@ from kiln.models.config import ModelConfig
 from kiln.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3, eagle3_capture_layers
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput
-from kiln.speculative.draft_model import ChainDrafter, DraftRefused, _Sequence, draft_pool_sizes
+from kiln.speculative.draft_model import ChainDrafter, DraftRefused, _Sequence
+from kiln.speculative.head_kv import TargetSlotKV, head_pool_sizes, target_pool_rows
 
 HEADS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
@@ -33,11 +34,11 @@ HEADS: dict[str, type[nn.Module]] = {
 }
 
 
-class EagleDrafter(ChainDrafter):
+class EagleDrafter(TargetSlotKV, ChainDrafter):
     """Drafts with an EAGLE or EAGLE-3 head on the target's hidden states."""
 
-    def __init__(self, runner: ModelRunner, num_steps: int):
-        super().__init__(runner, num_steps)
+    def __init__(self, runner: ModelRunner, num_steps: int, topk: int = 1, num_nodes: int | None = None):
+        super().__init__(runner, num_steps, topk, num_nodes)
         self.head = runner.model
         self.pending: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
         # requests whose pairs have a gap (a prefix the target read from its cache, a step that handed out no
@@ -54,6 +55,7 @@ class EagleDrafter(ChainDrafter):
 
     def release(self, rid: str) -> None:
         super().release(rid)
+        self._forget(rid)
         self.pending.pop(rid, None)
         self.gapped.discard(rid)
 
@@ -64,15 +66,17 @@ class EagleDrafter(ChainDrafter):
     def _catch_up(self, seq: _Sequence, inp: DraftInput) -> tuple[list[int], torch.Tensor | None] | None:
         if inp.rid in self.gapped:
             return None
+        self._note_input(inp)
         parts = self.pending.pop(inp.rid, [])
         ids = [t for tokens, _ in parts for t in tokens]
         # the pairs must run up to the request's last token, which the target predicted at the last verify
         missing = len(inp.token_ids) - 1 - (seq.kept + len(ids))
         if missing > 0 and seq.kept == 0 and ids:
             # the target read the prompt's first `missing` tokens from its prefix cache and computed no hidden
-            # states for them: the head starts after them, attending to what it has (SGLang's draft shares the
-            # target's KV slots and keeps that prefix's draft KV; this head, with a pool of its own, cannot)
-            seq.base = seq.kept = missing
+            # states for them: the head's KV for them is in the target's slots when it computed them before
+            # (head_kv.py); otherwise it starts after them, attending to what it has
+            if not self._join_cached_prefix(seq, inp, missing):
+                seq.base = seq.kept = missing
         elif missing or not ids:
             self._gap(inp.rid)
             return None
@@ -86,7 +90,8 @@ class EagleDrafter(ChainDrafter):
         self.head.set_features(features)
 
     def _step_features(self) -> torch.Tensor | None:
-        return self.head.last_hidden
+        # the runner's: a replayed draft graph hands the head's output out with the logits
+        return self.runner.last_hidden
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         convert = getattr(self.head, "to_target_ids", None)
@@ -151,9 +156,16 @@ def check_head_vocabulary(draft_config: dict, target_vocab: int, draft_path: str
         )
 
 
-def build_eagle_drafter(path: str, target: ModelRunner, sizes: PoolSizes, num_steps: int) -> EagleDrafter:
+def build_eagle_drafter(
+    path: str,
+    target: ModelRunner,
+    sizes: PoolSizes,
+    num_steps: int,
+    topk: int = 1,
+    num_nodes: int | None = None,
+) -> EagleDrafter:
     """The head at `path` on its own KV pool and request table (`sizes`), the target set to hand out the hidden
-    states it reads. DraftRefused when the head does not fit the target."""
+    states it reads, drafting chains (topk 1) or trees. DraftRefused when the head does not fit the target."""
     config = read_draft_config(path)
     target_cfg = target.model_config
     check_head_vocabulary(config, target_cfg.vocab_size, path, target_cfg.model_path)
@@ -164,5 +176,19 @@ def build_eagle_drafter(path: str, target: ModelRunner, sizes: PoolSizes, num_st
     runner.model = head
     shared = {id(p) for p in target.model.parameters()}
     runner.measured["weights"] = sum(p.nbytes for p in head.parameters() if id(p) not in shared)
-    runner.init_memory_pool(draft_pool_sizes(sizes, num_steps))
-    return EagleDrafter(runner, num_steps)
+    return head_drafter(runner, target, sizes, num_steps, topk, num_nodes)
+
+
+def head_drafter(
+    runner: ModelRunner,
+    target: ModelRunner,
+    sizes: PoolSizes,
+    num_steps: int,
+    topk: int,
+    num_nodes: int | None,
+) -> EagleDrafter:
+    """A head's drafter on a pool that mirrors the target's slots (head_kv.py), with room for its guesses."""
+    runner.init_memory_pool(head_pool_sizes(target, sizes, num_steps, topk))
+    drafter = EagleDrafter(runner, num_steps, topk, num_nodes)
+    drafter.share_target_slots(target_pool_rows(target))
+    return drafter

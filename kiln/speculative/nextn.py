@@ -24,8 +24,8 @@ from kiln.models.config import ModelConfig
 from kiln.models.deepseek_v3 import STACKED_MLP_PARAMS, DeepseekV3DecoderLayer
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runner.model_runner import ModelRunner, PoolSizes
-from kiln.speculative.draft_model import DraftRefused, draft_pool_sizes
-from kiln.speculative.eagle import EagleDrafter
+from kiln.speculative.draft_model import DraftRefused
+from kiln.speculative.eagle import EagleDrafter, head_drafter
 
 _MTP_LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
 _HEAD_PARTS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")  # the head's own tensors, not the layer's
@@ -65,6 +65,11 @@ class NextnHead(nn.Module):
             target.rotary,
         )
 
+    @property
+    def step_feature_width(self) -> int:
+        """The width of a draft decode step's features (its own output, fed back; a captured step's input)."""
+        return self.cfg.hidden_size
+
     def set_features(self, features: torch.Tensor | None) -> None:
         self.features = features
 
@@ -99,7 +104,9 @@ def head_weights(mtp_weights: dict[str, torch.Tensor], num_layers: int) -> list[
     return out
 
 
-def build_nextn_drafter(target: ModelRunner, sizes: PoolSizes, num_steps: int) -> EagleDrafter:
+def build_nextn_drafter(
+    target: ModelRunner, sizes: PoolSizes, num_steps: int, topk: int = 1, num_nodes: int | None = None
+) -> EagleDrafter:
     """The target's MTP layer as a head on a latent KV pool of its own; DraftRefused when the target has none."""
     cfg, model = target.model_config, target.model
     mtp = getattr(model, "mtp_weights", None)
@@ -121,5 +128,4 @@ def build_nextn_drafter(target: ModelRunner, sizes: PoolSizes, num_steps: int) -
     runner.model = head.eval()
     shared = {id(p) for p in model.parameters()}
     runner.measured["weights"] = sum(p.nbytes for p in head.parameters() if id(p) not in shared)
-    runner.init_memory_pool(draft_pool_sizes(sizes, num_steps))
-    return EagleDrafter(runner, num_steps)
+    return head_drafter(runner, target, sizes, num_steps, topk, num_nodes)

@@ -1,8 +1,10 @@
 """--speculative-* resolved as SGLang resolves them, and refused where Kiln cannot run them.
 
-Auto defaults (no --speculative-num-steps): SGLang's (steps, topk, num_draft_tokens) by architecture, (5, 4, 8)
-for Llama and (3, 1, 4) for the rest and STANDALONE; Kiln verifies a chain, so it keeps SGLang's steps and
-takes topk 1 with steps + 1 draft tokens. NGRAM: 12 draft tokens unless given, steps = num_draft_tokens - 1.
+Auto defaults (no --speculative-num-steps): SGLang's (steps, topk, num_draft_tokens) by algorithm and architecture,
+(5, 4, 8) for Llama and Grok and (3, 1, 4) for the rest and STANDALONE; a drafter that proposes chains only takes
+SGLang's steps with topk 1 and steps + 1 draft tokens. NGRAM: 12 draft tokens unless given; with topk 1 (Kiln's
+default) a chain of num_draft_tokens - 1, with topk > 1 a breadth-first tree of earlier matches (SGLang's BFS
+trie, --speculative-eagle-topk its widest breadth) and SGLang's steps = num_draft_tokens // topk.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from kiln.config import ServerArgs
 NEEDS_DRAFT_PATH = ("STANDALONE", "EAGLE", "EAGLE3")
 NGRAM_DRAFT_TOKENS = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
 WIDE_AUTO_ARCHITECTURES = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")
+# the algorithms whose drafter proposes trees (topk > 1); the others draft a chain
+TREE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
 
 
 @dataclass(frozen=True)
@@ -29,15 +33,44 @@ class SpecSettings:
         return self.num_draft_tokens - 1
 
 
-def _auto_steps(algorithm: str, architecture: str) -> int:
+def auto_params(algorithm: str, architecture: str) -> tuple[int, int, int]:
+    """SGLang's auto (steps, topk, num_draft_tokens), or its steps with a chain where Kiln drafts no tree."""
+    steps, topk, tokens = (3, 1, 4)
     if algorithm != "STANDALONE" and architecture in WIDE_AUTO_ARCHITECTURES:
-        return 5
-    return 3
+        steps, topk, tokens = (5, 4, 8)
+    if algorithm not in TREE_ALGORITHMS:
+        return steps, 1, steps + 1
+    return steps, topk, tokens
 
 
 def max_draft_tokens(steps: int, topk: int) -> int:
     """The most tokens `steps` draft steps of `topk` branches can offer a verify, the root included."""
     return 1 + topk + (steps - 1) * topk * topk
+
+
+def _ngram_params(args: ServerArgs) -> tuple[int, int, int]:
+    topk = args.speculative_eagle_topk if args.speculative_eagle_topk is not None else 1
+    tokens = args.speculative_num_draft_tokens
+    tokens = tokens if tokens is not None else NGRAM_DRAFT_TOKENS
+    steps = args.speculative_num_steps
+    if steps is None:
+        steps = tokens - 1 if topk == 1 else max(1, tokens // topk)
+    return steps, topk, tokens
+
+
+def _draft_params(args: ServerArgs, algorithm: str, architecture: str) -> tuple[int, int, int]:
+    steps, topk, tokens = (
+        args.speculative_num_steps,
+        args.speculative_eagle_topk,
+        args.speculative_num_draft_tokens,
+    )
+    if steps is None:
+        auto_steps, auto_topk, auto_tokens = auto_params(algorithm, architecture)
+        topk = topk if topk is not None else auto_topk
+        fallback = auto_tokens if topk == auto_topk else auto_steps + 1
+        return auto_steps, topk, tokens if tokens is not None else fallback
+    topk = topk if topk is not None else 1
+    return steps, topk, tokens if tokens is not None else steps + 1
 
 
 def resolve(args: ServerArgs, architecture: str) -> SpecSettings | None:
@@ -47,21 +80,23 @@ def resolve(args: ServerArgs, architecture: str) -> SpecSettings | None:
         return None
     if algorithm in NEEDS_DRAFT_PATH and not args.speculative_draft_model_path:
         raise ValueError(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path")
-    topk = args.speculative_eagle_topk if args.speculative_eagle_topk is not None else 1
-    if topk != 1:
-        raise ValueError(
-            f"--speculative-eagle-topk {topk}: Kiln verifies a chain of drafts (no tree attention), so the "
-            "supported value is 1"
-        )
-    steps, tokens = args.speculative_num_steps, args.speculative_num_draft_tokens
+    if args.speculative_eagle_topk is not None and args.speculative_eagle_topk < 1:
+        raise ValueError(f"--speculative-eagle-topk {args.speculative_eagle_topk} must be >= 1")
     if algorithm == "NGRAM":
-        tokens = tokens if tokens is not None else NGRAM_DRAFT_TOKENS
-        steps = steps if steps is not None else tokens - 1
-    elif steps is None:
-        steps = _auto_steps(algorithm, architecture)
-    tokens = tokens if tokens is not None else steps + 1
+        steps, topk, tokens = _ngram_params(args)
+    else:
+        steps, topk, tokens = _draft_params(args, algorithm, architecture)
+    if topk > 1 and algorithm not in TREE_ALGORITHMS:
+        raise ValueError(
+            f"--speculative-eagle-topk {topk}: Kiln's {algorithm} drafter proposes a chain (trees are drafted by "
+            f"{', '.join(TREE_ALGORITHMS)}), so the supported value is 1"
+        )
     if steps < 1:
         raise ValueError(f"--speculative-num-steps {steps} must be >= 1")
+    if algorithm == "NGRAM" and topk > 1:  # trees of earlier matches, not of draft steps: no upper bound
+        if tokens < 2:
+            raise ValueError(f"--speculative-num-draft-tokens {tokens} must be >= 2")
+        return SpecSettings(algorithm, steps, topk, tokens)
     top = max_draft_tokens(steps, topk)
     if not 2 <= tokens <= top:
         raise ValueError(

@@ -1,0 +1,245 @@
+"""Speculative decoding with graphs on (on the CPU: compiled steps): the target's verify shapes are captured with
+its decode ones, every captured target step hands out the hidden states an EAGLE head reads (equal to eager's),
+the head's own decode steps are captured with its features as an input, and greedy output equals graphs off.
+One engine with compiled steps, at batch size 1 only (compiling is the cost here), and one on the CUDA backend's
+buffers with capture replaced by re-running the step (nothing compiled)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from test_draft_models import PROMPTS, save_head
+
+import kiln
+from kiln.core.forward_batch import ForwardMode
+from kiln.runner import graph_runner
+from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode
+from kiln.runner.graph_runner import verify_rows
+
+NEW_TOKENS = 10
+STEPS = 2  # EAGLE drafts a chain of 2: 3 verify rows per request, one draft decode step after the catch-up
+ARGS = dict(max_total_tokens=4096, max_running_requests=4, num_threads=1)
+SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=STEPS)
+
+
+def test_verify_shapes_are_the_batch_sizes_times_the_draft_tokens() -> None:
+    assert verify_rows([1, 2, 4], 3) == [3, 6, 12]
+    assert verify_rows([1, 2, 4], 2) == [8]  # 2 and 4 rows are decode shapes already
+    assert verify_rows([1, 2], 0) == [] and verify_rows([1, 2], 1) == []
+    assert verify_rows([1, 2, 4, 8], 3, most=8) == [3, 6]  # CUDA: within the largest decode graph's rows
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> tuple[Path, str]:
+    target = build_tiny_model("llama", tmp_path_factory.mktemp("target"))
+    return target, save_head(tmp_path_factory.mktemp("head") / "head", target, eagle3=False)
+
+
+class Recorder:
+    """Wraps a runner's forward: each decode step's rows and whether a graph ran it; for the target, the hidden
+    states eager decoding hands out for the same batch, computed just before (the replayed step then rewrites
+    the same KV slots, so the run goes on as it would have)."""
+
+    def __init__(self, runner, check_hidden: bool):
+        self.runner, self.check_hidden = runner, check_hidden
+        self.decodes: list[tuple[int, bool]] = []
+        self.extends: list[tuple[int, bool]] = []  # (tokens, ran on prefill pieces)
+        self.hidden_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.inner = type(runner).forward.__get__(runner)
+        runner.forward = self.forward
+
+    def forward(self, fb):
+        eager = self._eager_hidden(fb) if self.check_hidden and fb.mode == ForwardMode.DECODE else None
+        logits = self.inner(fb)
+        if fb.mode == ForwardMode.EXTEND:
+            self.extends.append((int(fb.input_ids.shape[0]), self.runner.last_forward_graph))
+        elif fb.mode == ForwardMode.DECODE:
+            self.decodes.append((fb.kv_table.shape[0], self.runner.last_forward_graph))
+            if self.runner.last_forward_graph:
+                self.hidden_pairs.append((self.runner.last_hidden, eager))
+        return logits
+
+    def _eager_hidden(self, fb) -> torch.Tensor:
+        with torch.inference_mode():
+            self.runner.model(replace(fb, attn=self.runner.attn_backend.prepare_metadata(fb)))
+        return self.runner.model.last_hidden.clone()
+
+
+def generate(eng) -> list[list[int]]:
+    """One request at a time: the captured shapes are batch size 1 and its verify rows."""
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    return [eng.generate(input_ids=p, sampling_params=params)["output_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def eager(paths) -> tuple[list[list[int]], int]:
+    """Greedy outputs with graphs off and the tokens the head drafted."""
+    target, head = paths
+    eng = kiln.Engine(model_path=str(target), **ARGS, **SPEC, speculative_draft_model_path=head,
+                      disable_cuda_graph=True)  # fmt: skip
+    try:
+        return generate(eng), eng.scheduler.spec.drafter.drafted_tokens
+    finally:
+        eng.shutdown()
+
+
+class Lines(logging.Handler):
+    """The messages logged while attached."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def graphs(paths, tmp_path_factory):
+    """The engine with graphs on, and the lines its startup logged."""
+    target, head = paths
+    lines, logger = Lines(), logging.getLogger("kiln")
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            # keep every shape, untimed: on a tiny model the payoff is noise
+            mp.setattr(graph_runner, "_time_pair", lambda graph, eager: (graph(), eager(), (1.0, 1.0))[-1])
+            eng = kiln.Engine(
+                model_path=str(target), **ARGS, **SPEC, speculative_draft_model_path=head, cuda_graph_bs=(1,),
+                compile_cache_dir=str(tmp_path_factory.mktemp("compile-cache")),
+            )  # fmt: skip
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    yield eng, lines.lines
+    eng.shutdown()
+
+
+def assert_hidden_as_eager(steps: Recorder) -> None:
+    """Every hidden state a captured step handed out equals what the eager step computes (shape included)."""
+    for hidden, expected in steps.hidden_pairs:
+        torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle_with_graphs_matches_graphs_off(graphs, eager) -> None:
+    eng, _ = graphs
+    target_runner = eng.scheduler.runner
+    drafter = eng.scheduler.spec.drafter
+    assert target_runner.graphs.captured("verify") == [STEPS + 1]  # bs 1 x num_draft_tokens
+    assert target_runner.graphs.captured("decode") == [1]
+    assert drafter.runner.graphs.captured("decode") == [1]  # the head's own steps, features as an input
+    from kiln.scheduler.engine_proc import _draft_graphs
+
+    assert _draft_graphs(eng.scheduler.spec)["decode"]["captured"] == [1]  # /status's draft_graphs
+    target = Recorder(target_runner, check_hidden=True)
+    draft = Recorder(drafter.runner, check_hidden=False)
+    outputs = generate(eng)
+    eager_outputs, eager_drafted = eager
+    assert outputs == eager_outputs
+    # the replayed target steps handed the head its hidden states: it drafted at every step, as without graphs
+    assert drafter.drafted_tokens == eager_drafted > 0
+    assert (STEPS + 1, True) in target.decodes and (1, True) in draft.decodes
+    assert target.hidden_pairs
+    assert_hidden_as_eager(target)
+
+
+def test_capture_logs_name_the_verify_and_draft_shapes(graphs) -> None:
+    """SGLang's lines: the target's verify capture with its num_tokens_per_req, its decode capture, then the
+    draft's begin line that operators watch for."""
+    text = "\n".join(graphs[1])
+    verify = (
+        f"Capture target verify CPU graph begin. backend=inductor, num_tokens_per_req={STEPS + 1}, bs=[1]"
+    )
+    assert verify in text
+    assert "Capture target decode CPU graph begin. backend=inductor, num_tokens_per_req=1, bs=[1]" in text
+    draft = "Capture draft cpu graph begin. This can take up to several minutes. avail mem="
+    assert draft in text and "num_tokens_per_req=1, bs=[1]" in text.split(draft)[1]
+
+
+def _replaying_capture(fn, pool):
+    """Stands in for CUDA graph capture on the CPU: a replay runs fn again, so what is tested is what the CUDA
+    backend adds around its graphs: the static buffers (a head's features in, hidden states out) and padding."""
+    fn()
+    return fn, pool
+
+
+def replaying_engine(target, max_bs: int, prefill: bool = False, **kwargs) -> kiln.Engine:
+    """An engine on the CUDA backends' buffers (decode, and prefill pieces when asked) with capture replaced by
+    re-running the captured function."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            graph_runner,
+            "CompiledDecode",
+            lambda model, attn, device: CudaGraphDecode(model, device, max_bs, 512, _replaying_capture),
+        )
+        if prefill:
+            mp.setattr(graph_runner, "CompiledPrefill",
+                       lambda model, attn, device: BreakablePrefill(model, attn, device, _replaying_capture))  # fmt: skip
+        return kiln.Engine(model_path=str(target), **ARGS, **kwargs)
+
+
+def test_cuda_graph_buffers_hand_out_hidden_states_and_take_features(paths, eager) -> None:
+    """The CUDA decode backend for the target (decode and verify rows) and the EAGLE head, with capture replaced
+    by re-running the captured function: eager's tokens and drafts, the hidden states eager hands out."""
+    target, head = paths
+    eng = replaying_engine(target, 8, **SPEC, speculative_draft_model_path=head, cuda_graph_bs=(1, 2))
+    try:
+        drafter = eng.scheduler.spec.drafter
+        assert eng.scheduler.runner.graphs.captured("verify") == [3, 6]
+        assert drafter.runner.graphs.captured("decode") == [1, 2]
+        target_steps = Recorder(eng.scheduler.runner, check_hidden=True)
+        draft_steps = Recorder(drafter.runner, check_hidden=False)
+        assert generate(eng) == eager[0]
+        assert drafter.drafted_tokens == eager[1]
+        assert (STEPS + 1, True) in target_steps.decodes and (1, True) in draft_steps.decodes
+        assert_hidden_as_eager(target_steps)
+    finally:
+        eng.shutdown()
+
+
+def test_standalone_catch_up_extends_run_on_prefill_pieces(paths, eager) -> None:
+    """A draft model's catch-up extends (1 + accepted tokens) take the prefill token counts up to the largest
+    batch x num_draft_tokens; the target drafting for itself accepts every draft, so they are 3 tokens (padded to
+    4) after the first. CUDA backends with capture replaced by re-running, as above."""
+    target, _ = paths
+    eng = replaying_engine(
+        target, 8, prefill=True, speculative_algorithm="STANDALONE", speculative_num_steps=STEPS,
+        speculative_draft_model_path=str(target), cuda_graph_bs=(1,), cuda_graph_bs_prefill=(4, 8),
+    )  # fmt: skip
+    try:
+        draft_runner = eng.scheduler.spec.drafter.runner
+        assert draft_runner.graphs.captured("prefill") == [4]  # 4 holds 1 x 3 tokens: 8 is not needed
+        steps = Recorder(draft_runner, check_hidden=False)
+        assert generate(eng) == eager[0]
+        assert (STEPS + 1, True) in steps.extends
+    finally:
+        eng.shutdown()
+
+
+def test_tree_drafts_capture_topk_rows_per_request(paths, eager) -> None:
+    """A tree of topk 2: the head's decode steps run 2 rows per request (SGLang's draft decode graph's
+    num_tokens_per_req), the target verifies num_draft_tokens rows per request; CUDA backends as above."""
+    target, head = paths
+    eng = replaying_engine(
+        target, 16, speculative_algorithm="EAGLE", speculative_draft_model_path=head, speculative_num_steps=2,
+        speculative_eagle_topk=2, speculative_num_draft_tokens=4, cuda_graph_bs=(1, 2),
+    )  # fmt: skip
+    try:
+        drafter = eng.scheduler.spec.drafter
+        assert eng.scheduler.runner.graphs.captured("verify") == [4, 8]
+        assert drafter.runner.graphs.captured("decode") == [2, 4]
+        target_steps = Recorder(eng.scheduler.runner, check_hidden=True)
+        draft_steps = Recorder(drafter.runner, check_hidden=False)
+        assert generate(eng) == eager[0]
+        assert drafter.drafted_tokens > 0
+        assert (4, True) in target_steps.decodes and (2, True) in draft_steps.decodes
+        assert_hidden_as_eager(target_steps)
+    finally:
+        eng.shutdown()
