@@ -3,6 +3,7 @@ prompts (edit this code, repeat a list with changes, answer with quotes) and pro
 per prompt kind the decode tok/s of each, whether the greedy outputs are identical, and the accept length.
 
     .venv/bin/python benchmarks/bench_speculative.py [--max-new-tokens 128] [--model-path PATH] [--cpu-gemm exact]
+        [--topk 10]   # NGRAM's breadth: 1 drafts a chain, more a breadth-first tree of earlier matches
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--cpu-gemm", default="auto")
+    parser.add_argument("--topk", type=int, default=1, help="NGRAM's breadth (--speculative-eagle-topk)")
     args = parser.parse_args()
     engine = kiln.Engine(model_path=args.model_path, disable_cuda_graph=True, cpu_gemm=args.cpu_gemm)
     decode(engine, "warm up", 8, None)
@@ -60,7 +62,8 @@ def main() -> None:
         for name, prompt in prompts.items():
             plain_ids, seconds = decode(engine, prompt, args.max_new_tokens, None)
             plain_s += seconds
-            spec = SpecDecoder(NgramDrafter(), NGRAM_DRAFT_TOKENS - 1, NGRAM_DRAFT_TOKENS)
+            drafter = NgramDrafter(max_breadth=args.topk, max_nodes=NGRAM_DRAFT_TOKENS - 1)
+            spec = SpecDecoder(drafter, NGRAM_DRAFT_TOKENS - 1, NGRAM_DRAFT_TOKENS)
             spec_ids, seconds = decode(engine, prompt, args.max_new_tokens, spec)
             spec_s += seconds
             tokens += len(plain_ids)
