@@ -207,7 +207,7 @@ class ServerArgs:
     speculative_eagle_topk: int | None = _f(
         None,
         "draft tokens branched per step (NGRAM: its BFS breadth); above 1 the drafts form a tree verified with a "
-        "tree attention mask (default: SGLang's auto choice by model, 1 with NGRAM)",
+        "tree attention mask (default: SGLang's auto choice by model; 10 with NGRAM, SGLang's BFS breadth)",
     )
     speculative_num_draft_tokens: int | None = _f(
         None,

@@ -325,7 +325,8 @@ def _resolve(architecture: str, *argv: str):
 
 
 def test_flags_resolve_trees_with_sglang_defaults():
-    assert _resolve("x", "--speculative-algorithm", "NGRAM") == (11, 1, 12)
+    assert _resolve("x", "--speculative-algorithm", "NGRAM") == (1, 10, 12)  # SGLang's BFS breadth 10
+    assert _resolve("x", "--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "1") == (11, 1, 12)
     assert _resolve("x", "--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "10") == (1, 10, 12)
     assert _resolve(
         "x",

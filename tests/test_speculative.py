@@ -269,6 +269,23 @@ def test_ngram_matches_the_longest_recent_suffix():
     assert drafter.propose([item]) == [[]]
 
 
+def test_ngram_draft_length_follows_acceptance():
+    """A request proposes FIRST_BUDGET drafts, twice as many after a step that kept them all (never past the
+    step's room), and the accepted count plus one after a step that rejected some."""
+    from kiln.speculative.ngram import FIRST_BUDGET
+
+    copy = list(range(100, 140))
+    item = DraftInput("a", copy + copy[:5], 11)
+    drafter = NgramDrafter()
+    lengths = []
+    for accepted in (FIRST_BUDGET, 2 * FIRST_BUDGET, 2, 0):
+        (draft,) = drafter.propose([item])
+        lengths.append(len(draft))
+        drafter.accepted("a", draft[:accepted] + [0], None)
+    assert lengths == [FIRST_BUDGET, 2 * FIRST_BUDGET, 11, 3]
+    assert len(drafter.propose([item])[0]) == 1
+
+
 # ---------------------------------------------------------------------------------------------- flags
 def _args(*argv: str) -> ServerArgs:
     parser = argparse.ArgumentParser()
@@ -278,7 +295,7 @@ def _args(*argv: str) -> ServerArgs:
 
 def test_flags_resolve_with_sglang_defaults():
     ngram = resolve(_args("--speculative-algorithm", "ngram"), "LlamaForCausalLM")
-    assert (ngram.algorithm, ngram.num_draft_tokens, ngram.num_steps, ngram.topk) == ("NGRAM", 12, 11, 1)
+    assert (ngram.algorithm, ngram.num_draft_tokens, ngram.num_steps, ngram.topk) == ("NGRAM", 12, 1, 10)
     eagle = resolve(
         _args("--speculative-algorithm", "EAGLE", "--speculative-draft-model", "d"), "LlamaForCausalLM"
     )
@@ -296,6 +313,8 @@ def test_flags_refused_naming_the_range():
             _args(
                 "--speculative-algorithm",
                 "NGRAM",
+                "--speculative-eagle-topk",
+                "1",  # a chain: 3 steps make 4 tokens at most
                 "--speculative-num-steps",
                 "3",
                 "--speculative-num-draft-tokens",

@@ -8,6 +8,12 @@ the request proposes nothing for a cool-down of steps that doubles each time it 
 `max_cooldown`) and resets once a draft is accepted, so text with nothing to copy decodes almost as it would
 without speculation.
 
+How many tokens a request proposes follows its recent acceptance: a verify of k drafts costs the target k more rows
+(each a decode row's matmuls and attention), and on a fast kernel the rows it rejects cost about as much as the
+accepted ones save. A request starts at FIRST_BUDGET drafts; a step that accepts every draft doubles its budget (up
+to num_draft_tokens - 1), one that rejects some sets it to the accepted count plus one. A long copy so verifies
+long chains, a short or failing match short ones.
+
 With a breadth above 1 (--speculative-eagle-topk) the proposal is a tree, as SGLang's NGRAM builds it from its
 trie (match type BFS): for each suffix that occurred earlier, longest first, a breadth-first walk over the tokens
 that followed its occurrences, most recent first, taking at most `breadth` of them per node, the breadth starting
@@ -33,16 +39,24 @@ PATIENCE = 3
 FIRST_COOLDOWN = 8
 MAX_COOLDOWN = 256
 MIN_BREADTH = 1  # SGLang's --speculative-ngram-min-bfs-breadth
+FIRST_BUDGET = 4  # drafts a request proposes before its acceptance is known
 
 
 @dataclass
 class _Backoff:
-    """One request's recent luck: misses in a row, the current cool-down and the steps left in it."""
+    """One request's recent luck: misses in a row, the current cool-down and the steps left in it, and how many
+    drafts it proposes next (its budget)."""
 
     misses: int = 0
     cooldown: int = FIRST_COOLDOWN
     waiting: int = 0
     proposed: int = 0
+    budget: int = FIRST_BUDGET
+
+    def settle(self, accepted: int) -> None:
+        """The last verify accepted `accepted` of the `proposed` drafts: grow the budget on a clean sweep,
+        shrink it to what was accepted plus one otherwise."""
+        self.budget = self.budget * 2 if accepted >= self.proposed else accepted + 1
 
 
 def suffix_matches(tokens: np.ndarray, max_match: int) -> tuple[np.ndarray, np.ndarray]:
@@ -172,16 +186,17 @@ class NgramDrafter:
             state.waiting -= 1
             return []
         tokens = np.asarray(item.token_ids, dtype=np.int64)
+        limit = self.max_nodes if self.max_nodes is not None else item.num_draft
+        state.budget = min(state.budget, limit)
         if self.max_breadth > 1:
-            nodes = self.max_nodes if self.max_nodes is not None else item.num_draft
-            shape = TreeShape(MIN_BREADTH, self.max_breadth, nodes, item.num_draft)
+            shape = TreeShape(MIN_BREADTH, self.max_breadth, state.budget, item.num_draft)
             tree = bfs_tree(tokens, shape, self.min_match, self.max_match)
             state.proposed = len(tree)
             return tree
         start, _ = longest_suffix_match(tokens, self.min_match, self.max_match)
         if start < 0:
             return []
-        draft = tokens[start : start + item.num_draft].tolist()
+        draft = tokens[start : start + min(item.num_draft, state.budget)].tolist()
         state.proposed = len(draft)
         return draft
 
@@ -189,6 +204,7 @@ class NgramDrafter:
         state = self.state.get(rid)
         if state is None or state.proposed == 0:
             return
+        state.settle(len(tokens) - 1)
         if len(tokens) > 1:  # a draft was kept: speculation pays here
             state.misses, state.cooldown = 0, FIRST_COOLDOWN
             return

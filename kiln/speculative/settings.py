@@ -2,9 +2,10 @@
 
 Auto defaults (no --speculative-num-steps): SGLang's (steps, topk, num_draft_tokens) by algorithm and architecture,
 (5, 4, 8) for Llama and Grok and (3, 1, 4) for the rest and STANDALONE; a drafter that proposes chains only takes
-SGLang's steps with topk 1 and steps + 1 draft tokens. NGRAM: 12 draft tokens unless given; with topk 1 (Kiln's
-default) a chain of num_draft_tokens - 1, with topk > 1 a breadth-first tree of earlier matches (SGLang's BFS
-trie, --speculative-eagle-topk its widest breadth) and SGLang's steps = num_draft_tokens // topk.
+SGLang's steps with topk 1 and steps + 1 draft tokens. NGRAM: 12 draft tokens unless given and a breadth-first tree
+of earlier matches whose widest breadth is --speculative-eagle-topk (SGLang's BFS trie; its default breadth 10,
+SGLang's --speculative-ngram-max-bfs-breadth), with SGLang's steps = num_draft_tokens // topk; topk 1 drafts a
+chain of num_draft_tokens - 1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kiln.config import ServerArgs
 
 NEEDS_DRAFT_PATH = ("STANDALONE", "EAGLE", "EAGLE3")
 NGRAM_DRAFT_TOKENS = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
+NGRAM_BREADTH = 10  # SGLang's default --speculative-ngram-max-bfs-breadth, which it takes as NGRAM's topk
 WIDE_AUTO_ARCHITECTURES = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")
 # the algorithms whose drafter proposes trees (topk > 1); the others draft a chain
 TREE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
@@ -49,7 +51,7 @@ def max_draft_tokens(steps: int, topk: int) -> int:
 
 
 def _ngram_params(args: ServerArgs) -> tuple[int, int, int]:
-    topk = args.speculative_eagle_topk if args.speculative_eagle_topk is not None else 1
+    topk = args.speculative_eagle_topk if args.speculative_eagle_topk is not None else NGRAM_BREADTH
     tokens = args.speculative_num_draft_tokens
     tokens = tokens if tokens is not None else NGRAM_DRAFT_TOKENS
     steps = args.speculative_num_steps
