@@ -18,6 +18,7 @@ from kiln.loader.model_config import read_hf_config
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table, format_verdict, ledger_json
 from kiln.memory.ledger_types import Ledger, LedgerInputs
+from kiln.speculative.settings import with_speculation
 
 __all__ = ["add_arguments", "format_refusal", "ledger_for_args", "main", "register", "run"]
 
@@ -39,7 +40,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def ledger_for_args(args: ServerArgs) -> Ledger:
     """The ledger `kiln serve` would compute for these arguments. Raises ValueError for unusable ones."""
-    return compute_ledger(LedgerInputs.from_args(args, read_hf_config(args.model_path)))
+    return compute_ledger(
+        with_speculation(LedgerInputs.from_args(args, read_hf_config(args.model_path)), args)
+    )
 
 
 def print_foreign_flags(args: ServerArgs) -> None:

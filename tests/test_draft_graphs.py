@@ -6,6 +6,7 @@ buffers with capture replaced by re-running the step (nothing compiled)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,45 @@ def test_verify_shapes_are_the_batch_sizes_times_the_draft_tokens() -> None:
 def paths(tmp_path_factory) -> tuple[Path, str]:
     target = build_tiny_model("llama", tmp_path_factory.mktemp("target"))
     return target, save_head(tmp_path_factory.mktemp("head") / "head", target, eagle3=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) -> None:
+    """`kiln plan` and serve reserve for the graphs speculation adds: the target's verify shapes (on CUDA those
+    within the largest decode graph's rows) and the draft's decode steps; NGRAM has no draft steps."""
+    from kiln.config import ServerArgs
+    from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CUDA_BYTES_PER_GRAPH
+    from kiln.scheduler.launch import plan_ledger
+
+    target, head = paths
+    base = dict(model_path=str(target), device=device, device_memory="16GiB", cuda_graph_bs=(1, 2, 4))
+    plain = plan_ledger(ServerArgs(**base)).ledger
+    eagle = plan_ledger(ServerArgs(**base, **SPEC, speculative_draft_model_path=head)).ledger
+    ngram = plan_ledger(ServerArgs(**base, speculative_algorithm="NGRAM", speculative_eagle_topk=1)).ledger
+    line = eagle.line("graph reserve").inputs
+    if device == "cpu":  # 3 x 3 verify rows: 3, 6, 12
+        assert "3 verify shapes + 3 draft steps" in line
+        assert eagle.graph_reserve_bytes - plain.graph_reserve_bytes == 6 * CPU_COMPILED_STEP_BYTES
+        # a chain of 12 tokens: 12, 24 and 48 rows
+        assert ngram.graph_reserve_bytes - plain.graph_reserve_bytes == 3 * CPU_COMPILED_STEP_BYTES
+    else:  # within 4 rows: 3 only
+        extra = eagle.graph_reserve_bytes - plain.graph_reserve_bytes
+        assert extra == (1 + 3) * CUDA_BYTES_PER_GRAPH
+    # a draft model's catch-up extends on the prefill pieces up to the one holding 4 x 3 tokens: 4, 8 and 16
+    pieces = dict(base, cuda_graph_bs_prefill=(4, 8, 16, 32))
+    standalone = dict(
+        speculative_algorithm="STANDALONE",
+        speculative_num_steps=STEPS,
+        speculative_draft_model_path=str(target),
+    )
+    without = plan_ledger(ServerArgs(**pieces)).ledger
+    drafting = plan_ledger(ServerArgs(**pieces, **standalone)).ledger
+    extra = drafting.graph_reserve_bytes - without.graph_reserve_bytes
+    if device == "cpu":
+        assert extra == (3 + 3 + 3) * CPU_COMPILED_STEP_BYTES  # verify shapes, decode steps, extends
+    else:
+        layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+        assert extra == (1 + 3 + 3 * layers * 2) * CUDA_BYTES_PER_GRAPH
 
 
 class Recorder:

@@ -47,3 +47,23 @@ def prefill_bucket_for(sizes: list[int], n: int) -> int | None:
     """The prefill bucket for n tokens, or None when there is none or it would pad more than 2x."""
     b = bucket_for(sizes, n)
     return b if b is not None and b <= MAX_PREFILL_PADDING_FACTOR * n else None
+
+
+def verify_rows(batch_sizes: list[int], tokens_per_req: int, most: int | None = None) -> list[int]:
+    """The verify shapes in rows: each batch size x tokens_per_req (SGLang's target verify graphs), at most
+    `most` rows (None: no limit), but those the decode sizes already hold, ascending; none without speculative
+    decoding."""
+    if tokens_per_req <= 1:
+        return []
+    rows = {bs * tokens_per_req for bs in batch_sizes} - set(batch_sizes)
+    return sorted(r for r in rows if most is None or r <= most)
+
+
+def draft_extend_tokens(prefill_tokens: list[int], batch_sizes: list[int], tokens_per_req: int) -> list[int]:
+    """The prefill token counts a draft model's catch-up extends are captured at: up to the one that holds what a
+    full batch catches up on at once (the largest batch x num_draft_tokens, as SGLang's draft extend graph)."""
+    tokens = sorted(prefill_tokens)
+    if not batch_sizes or not tokens:
+        return []
+    most = bucket_for(tokens, max(batch_sizes) * tokens_per_req) or tokens[-1]
+    return [t for t in tokens if t <= most]

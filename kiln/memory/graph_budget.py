@@ -15,7 +15,9 @@ from kiln.core.graph_shapes import (
     CPU_PREFILL_GRAPH_MAX_TOKENS,
     CUDA_GRAPH_KV_WIDTH,
     decode_graph_batch_sizes,
+    draft_extend_tokens,
     prefill_graph_token_sizes,
+    verify_rows,
 )
 from kiln.core.units import GIB, MIB
 from kiln.memory.ledger_types import LedgerInputs
@@ -78,11 +80,34 @@ def graph_reserve(inputs: LedgerInputs, sizes: tuple[int, ...], prefill: tuple[i
     if inputs.device.startswith("cuda"):
         return cuda_graph_reserve(inputs, sizes, prefill)
     max_bs, n = max(sizes, default=0), len(prefill)
-    shapes = len(sizes) + n
+    verify, draft = speculative_graphs(inputs, sizes)
+    draft += len(_draft_extends(inputs, sizes, prefill))  # each a compiled shape of the draft
+    shapes = len(sizes) + n + verify + draft
     return CPU_COMPILER_BYTES + shapes * CPU_COMPILED_STEP_BYTES, (
         f"compiler runtime {CPU_COMPILER_BYTES // MIB} MiB + ({len(sizes)} decode steps (bs <= {max_bs}) + "
-        f"{n} prefill sizes) x {CPU_COMPILED_STEP_BYTES // MIB} MiB compiled"
+        f"{n} prefill sizes{_speculative_text(verify, draft)}) x {CPU_COMPILED_STEP_BYTES // MIB} MiB compiled"
     )
+
+
+def speculative_graphs(inputs: LedgerInputs, sizes: tuple[int, ...]) -> tuple[int, int]:
+    """How many verify shapes the target captures beside its decode sizes (each size x num_draft_tokens rows;
+    on CUDA only those within the largest decode graph's rows, whose buffers are counted), and how many decode
+    steps a draft model or head captures (one per size)."""
+    most = max(sizes, default=0) if inputs.device.startswith("cuda") else None
+    verify = len(verify_rows(list(sizes), inputs.verify_tokens_per_req, most))
+    return verify, len(sizes) if inputs.draft_rows_per_req else 0
+
+
+def _speculative_text(verify: int, draft: int) -> str:
+    verify_text = f" + {verify} verify shapes" if verify else ""
+    return verify_text + (f" + {draft} draft steps" if draft else "")
+
+
+def _draft_extends(inputs: LedgerInputs, sizes: tuple[int, ...], prefill: tuple[int, ...]) -> list[int]:
+    """The token counts a draft model's catch-up extends are captured at (none for a head)."""
+    if not inputs.draft_extend_layers:
+        return []
+    return draft_extend_tokens(list(prefill), list(sizes), inputs.verify_tokens_per_req)
 
 
 def cuda_graph_reserve(
@@ -94,7 +119,10 @@ def cuda_graph_reserve(
     cfg = text_config(inputs.hf_config)
     decode_bytes = _decode_graph_bytes(inputs, max(sizes)) if sizes else 0
     prefill_bytes = _prefill_graph_bytes(inputs, max(prefill)) if prefill else 0
-    graphs = len(sizes) + len(prefill) * required(cfg, "num_hidden_layers") * 2
+    verify, draft = speculative_graphs(inputs, sizes)
+    # a draft model's extends on prefill pieces: two graphs per layer per token count, as the target's prefill
+    draft += len(_draft_extends(inputs, sizes, prefill)) * inputs.draft_extend_layers * 2
+    graphs = len(sizes) + verify + draft + len(prefill) * required(cfg, "num_hidden_layers") * 2
     total = CUDA_GRAPH_RUNTIME_BYTES + decode_bytes + prefill_bytes + graphs * CUDA_BYTES_PER_GRAPH
     if is_mla(cfg):
         total += 1536 * MIB  # SGLang's MLA allowance

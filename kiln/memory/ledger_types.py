@@ -45,6 +45,12 @@ class LedgerInputs:
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
     hicache_storage_dir: str | None = None  # the file storage tier's directory; None: no storage tier
     draft_hf_config: dict | None = None  # speculative decoding draft model
+    # speculative decoding's graph shapes (kiln.speculative.settings.with_speculation fills them from the resolved
+    # settings): verify rows per request (num_draft_tokens), and the draft's decode rows per request (its topk;
+    # 0 without a draft model of its own)
+    verify_tokens_per_req: int = 0
+    draft_rows_per_req: int = 0
+    draft_extend_layers: int = 0  # a draft model's layers, whose catch-up extends run on prefill pieces
     disable_radix_cache: bool = False  # hybrid models: no checkpoint slots for the prefix cache
     mamba_full_memory_ratio: float | None = None  # hybrid models: SGLang's state : KV split of the pool
     max_mamba_cache_size: int | None = None  # hybrid models: state slots given

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
-from kiln.core.graph_shapes import CUDA_GRAPH_KV_WIDTH, bucket_for, prefill_bucket_for
+from kiln.core.graph_shapes import CUDA_GRAPH_KV_WIDTH, bucket_for, prefill_bucket_for, verify_rows
 from kiln.core.units import gib
 from kiln.platform import available_gb, available_memory_bytes, used_memory_bytes
 from kiln.runner.attention import AttentionBackend
@@ -326,16 +326,6 @@ class GraphRunner:
 
     def summary(self) -> dict:
         return {name: phase.summary() for name, phase in self.phases.items()}
-
-
-def verify_rows(batch_sizes: list[int], tokens_per_req: int, most: int | None = None) -> list[int]:
-    """The verify shapes in rows: each batch size x tokens_per_req (SGLang's target verify graphs), at most
-    `most` rows (None: no limit), but those the decode sizes already hold, ascending; none without speculative
-    decoding."""
-    if tokens_per_req <= 1:
-        return []
-    rows = {bs * tokens_per_req for bs in batch_sizes} - set(batch_sizes)
-    return sorted(r for r in rows if most is None or r <= most)
 
 
 def _time_pair(

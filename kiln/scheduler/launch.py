@@ -29,7 +29,7 @@ from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.spec_step import SpecDecoder
 from kiln.speculative.base import Drafter
-from kiln.speculative.settings import SpecSettings
+from kiln.speculative.settings import SpecSettings, with_speculation
 from kiln.speculative.settings import resolve as resolve_speculative
 from kiln.text.tokenizer import load_tokenizer
 
@@ -64,7 +64,7 @@ class MemoryPlan:
 def plan_ledger(args: ServerArgs, hf_config: dict | None = None) -> MemoryPlan:
     """Serve's memory plan for these arguments (`kiln plan` computes the same ledger). Raises ValueError."""
     config = hf_config if hf_config is not None else read_hf_config(args.model_path)
-    inputs = _agreed(LedgerInputs.from_args(args, config))
+    inputs = _agreed(with_speculation(LedgerInputs.from_args(args, config), args))
     return MemoryPlan(inputs, compute_ledger(inputs))
 
 
@@ -194,10 +194,9 @@ def _start_graphs(
 
 
 def _start_draft_graphs(spec: SpecDecoder, ledger: Ledger, args: ServerArgs, phase: OnPhase) -> None:
-    """The draft's decode shapes, after the target's: a startup phase of its own with its progress. A draft
-    model's catch-up extends take the prefill token counts up to the one that holds what a full batch catches up
-    on at once (the largest batch x num_draft_tokens, as SGLang's draft extend graph)."""
-    from kiln.core.graph_shapes import bucket_for
+    """The draft's decode shapes, after the target's: a startup phase of its own with its progress; a draft
+    model's catch-up extends on prefill pieces (draft_extend_tokens)."""
+    from kiln.core.graph_shapes import draft_extend_tokens
     from kiln.runner.compiler import compile_cache_dir
     from kiln.speculative.draft_model import capture_draft_graphs
 
@@ -206,9 +205,7 @@ def _start_draft_graphs(spec: SpecDecoder, ledger: Ledger, args: ServerArgs, pha
         phase("capture_draft", {})
         on_progress = lambda info: phase("progress", info)  # noqa: E731
         cache = compile_cache_dir(args.compile_cache_dir)
-        tokens = sorted(ledger.graph_prefill_tokens)
-        most = bucket_for(tokens, max(sizes) * spec.num_draft_tokens) or max(tokens, default=0)
-        extend = [t for t in tokens if t <= most]  # up to the bucket that holds a full batch's catch-up
+        extend = draft_extend_tokens(list(ledger.graph_prefill_tokens), sizes, spec.num_draft_tokens)
         capture_draft_graphs(drafter, sizes, ledger.context_len, cache, on_progress, extend)
 
 

@@ -10,9 +10,10 @@ chain of num_draft_tokens - 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln.config import ServerArgs
+from kiln.memory.ledger_types import LedgerInputs
 
 NEEDS_DRAFT_PATH = ("STANDALONE", "EAGLE", "EAGLE3")
 NGRAM_DRAFT_TOKENS = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
@@ -106,3 +107,22 @@ def resolve(args: ServerArgs, architecture: str) -> SpecSettings | None:
             f"--speculative-eagle-topk {topk}: the valid range is 2..{top}"
         )
     return SpecSettings(algorithm, steps, topk, tokens)
+
+
+def with_speculation(inputs: LedgerInputs, args: ServerArgs) -> LedgerInputs:
+    """The ledger's inputs with speculative decoding's graph shapes (the target's verify rows, the draft's decode
+    steps), from the settings serve resolves; unchanged without speculation. Raises ValueError as resolve does."""
+    architecture = (inputs.hf_config.get("architectures") or [""])[0]
+    settings = resolve(args, architecture)
+    if settings is None:
+        return inputs
+    draft_rows = 0 if settings.algorithm == "NGRAM" else settings.topk  # NGRAM has no model to capture
+    # a draft model's catch-up extends run on prefill pieces; a head's layers do not split into them
+    draft = inputs.draft_hf_config if settings.algorithm == "STANDALONE" else None
+    layers = int(draft.get("num_hidden_layers", 0)) if draft else 0
+    return replace(
+        inputs,
+        verify_tokens_per_req=settings.num_draft_tokens,
+        draft_rows_per_req=draft_rows,
+        draft_extend_layers=layers,
+    )
