@@ -1,5 +1,6 @@
 """Tensor parallelism over processes: `kiln serve --tp-size N` gives the tokens one rank gives (greedy, batched,
-chunked prefill, radix hits, n > 1, aborts), on the default model and on random Llama and Qwen3 models (the Qwen3
+chunked prefill, radix hits, n > 1, aborts), on the default model and on random Llama (decoding speculatively with
+NGRAM trees) and Qwen3 models (the Qwen3
 one with fewer KV heads than ranks, so each rank holds a replica of the one KV head), a Qwen3-MoE with whole experts
 per rank (--ep-size 2) and a DeepSeek-V3 (latent attention, grouped routing); each rank allocates what
 `kiln plan` predicts; a rank that crashes or stalls ends the server naming it; two `kiln serve` processes form
@@ -57,12 +58,17 @@ def ids(result) -> list:
     return [ids(x) for x in result] if isinstance(result, list) else result["output_ids"]
 
 
-def reference(model: str) -> dict[str, object]:
+def reference(model: str, **engine_args) -> dict[str, object]:
     """What one rank gives (the in-process engine with the same flags)."""
     import kiln
 
     eng = kiln.Engine(
-        model_path=model, device="cpu", max_total_tokens=4096, chunked_prefill_size=16, cpu_gemm="exact"
+        model_path=model,
+        device="cpu",
+        max_total_tokens=4096,
+        chunked_prefill_size=16,
+        cpu_gemm="exact",
+        **engine_args,
     )
     try:
         return {
@@ -75,10 +81,18 @@ def reference(model: str) -> dict[str, object]:
         eng.shutdown()
 
 
+# the random Llama's cluster decodes speculatively: NGRAM trees (breadth 4) verified on every rank alike, the
+# kept tokens rank 0's, sampled draws included (its one-rank reference speculates the same way)
+TREES = {"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}
+
+
 class Cluster:
-    def __init__(self, model: str, tp: int, log_dir: Path, flags: tuple[str, ...] = ()):
-        self.expected = reference(model)
-        self.tp, self.flags = tp, ["--tp-size", str(tp), *flags]
+    def __init__(
+        self, model: str, tp: int, log_dir: Path, flags: tuple[str, ...] = (), spec: dict | None = None
+    ):
+        self.expected = reference(model, **(spec or {}))
+        spec_flags = [f"--{k.replace('_', '-')}={v}" for k, v in (spec or {}).items()]
+        self.tp, self.flags, self.spec = tp, ["--tp-size", str(tp), *flags, *spec_flags], spec
         self.srv = ServerProcess(["--model-path", model, *self.flags, *COMMON], log_dir / "serve.log")
         self.srv.wait_ready()
 
@@ -89,10 +103,11 @@ class Cluster:
 def cluster(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"tp-{request.param}")
     flags: tuple[str, ...] = ()
+    spec = None
     if request.param == "default":  # 9 attention heads, 3 KV heads: tp 3 is its smallest split
         model, tp = request.getfixturevalue("default_model"), 3
     elif request.param == "llama":
-        model, tp = request.getfixturevalue("tiny_llama"), 2
+        model, tp, spec = request.getfixturevalue("tiny_llama"), 2, TREES
     elif request.param == "qwen3_moe_ep2":
         model, tp, flags = str(build_tiny_moe(d / "model")), 2, ("--ep-size", "2")
     elif request.param == "deepseek_v3":
@@ -101,7 +116,7 @@ def cluster(request, tmp_path_factory):
         model, tp = build_kv1_qwen3(d / "model"), 2
         tiers = ("--enable-hierarchical-cache", "--hicache-size", "0.01", "--hicache-storage-backend", "file")
         flags = (*tiers, "--hicache-storage-dir", str(d / "kv"))
-    c = Cluster(model, tp, d, flags)
+    c = Cluster(model, tp, d, flags, spec)
     yield c
     c.srv.stop()
 
@@ -114,6 +129,9 @@ def test_tp_gives_one_ranks_tokens(cluster):
     again = generate(url, LONG_PROMPT, GREEDY)  # radix hit
     assert again["meta_info"]["cached_tokens"] > 0 and ids(again) == want["long"]
     assert ids(generate(url, PROMPTS[1], SAMPLED)) == want["sampled"]  # n > 1, seeded: rank 0's draws
+    if cluster.spec:  # the trees were verified: drafts were kept
+        assert again["meta_info"]["spec_verify_ct"] > 0
+        assert again["meta_info"]["spec_accept_length"] > 1.0
 
 
 def test_abort_keeps_the_ranks_in_step(cluster):
