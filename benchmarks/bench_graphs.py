@@ -1,8 +1,8 @@
 """Decode with graphs (CPU: compiled steps) against Kiln's eager path, side by side in one run, default model.
 
 Figures: decode tok/s at batch 1, 8 and 32 and prefill tok/s of one 128- and one 512-token prompt for both
-paths (the engines alternate, median of --reps), the weight-read roofline of decode (memory bandwidth measured
-in the same run / weight bytes read per step), and the capture time per shape of a first start (empty compile
+paths (the engines alternate, median of --reps), the weight-read roofline of decode (read bandwidth measured
+just before each run / the weight and KV bytes a step reads; "graph / roofline" is the median over runs), and the capture time per shape of a first start (empty compile
 cache) and a second start (warm cache), each in a fresh process.
 
 On the CPU also the most a compiled step can gain over eager: eager and compiled steps call the same Kiln kernels
@@ -132,9 +132,11 @@ def prefill_tok_s(eng, tokens: int, vocab: int, seed: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def read_bandwidth_gbs(device: str = "cpu", gib: float = 1.0, reps: int = 5) -> float:
-    """Best-of-reps read bandwidth of a sum over a buffer much larger than the caches."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, device=device)
+def read_bandwidth_gbs(
+    device: str = "cpu", gib: float = 1.0, reps: int = 5, x: torch.Tensor | None = None
+) -> float:
+    """Best-of-reps read bandwidth of a sum over a buffer much larger than the caches (x: one to reuse)."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, device=device) if x is None else x
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -150,6 +152,11 @@ def weight_bytes_per_step(model) -> int:
     if getattr(model.lm_head, "tied", False) and "lm_head.packed_weight" not in params:
         params["lm_head.weight"] = model.lm_head.weight  # tied and unpacked: the head reads the table
     return sum(p.nbytes for p in params.values())
+
+
+def kv_bytes_per_token(pool) -> float:
+    """KV bytes a decode step reads per token of a request's context, every layer (the pool's bytes per slot)."""
+    return (pool.k_bytes + pool.v_bytes) / pool.k[0].shape[0]
 
 
 def main() -> None:
@@ -177,12 +184,18 @@ def main() -> None:
     )  # measure every compiled shape, whatever the capture-time check said
     graph, eager = engine(path, args.bs, args.prefill, cache_dir, dev), engine(path, None, [], cache_dir, dev)
     vocab = graph.parts.model_config.vocab_size
-    bw = read_bandwidth_gbs(dev)
+    # the roofline of each graph run from the bandwidth measured just before it: the host is shared, and a
+    # neighbour's load moves both figures together
+    buffer = torch.ones((1 << 30) // 4, device=dev)
     wbytes = weight_bytes_per_step(graph.scheduler.runner.model)
-    rows, differing = [], []
+    kv_token = kv_bytes_per_token(graph.scheduler.runner.kv_pool)
+    bws, rows, differing = [], [], []
     for bs in args.bs:
-        runs: dict[str, list[float]] = {"graph": [], "eager": [], "kernels": []}
+        # a step reads the weights once and each request's KV: the mean context over the run
+        step_bytes = wbytes + bs * (PROMPT_LEN + NEW_TOKENS / 2) * kv_token
+        runs: dict[str, list[float]] = {"graph": [], "eager": [], "kernels": [], "of_roofline": []}
         for r in range(args.reps):
+            bws.append(read_bandwidth_gbs(dev, reps=3, x=buffer))
             for name, eng in (("graph", graph), ("eager", eager)):
                 tok_s, ids, kernel_tok_s = decode_tok_s(eng, bs, vocab, seed=100 * bs + r)
                 runs[name].append(tok_s)
@@ -190,18 +203,22 @@ def main() -> None:
                     runs["kernels"].append(kernel_tok_s / tok_s)
                 if name == "graph":
                     graph_ids = ids
+                    runs["of_roofline"].append(tok_s / (bs * bws[-1] * 1e9 / step_bytes))
             if ids != graph_ids:
                 differing.append(bs)
         g, e = statistics.median(runs["graph"]), statistics.median(runs["eager"])
-        roof = bs * bw * 1e9 / wbytes
+        roof = bs * statistics.median(bws[-args.reps :]) * 1e9 / step_bytes
         bound = statistics.median(runs["kernels"])
-        rows.append({"bs": bs, "graph": g, "eager": e, "ratio": g / e, "roofline": roof, "of_roofline": g / roof,
-                     "kernel_bound": bound})  # fmt: skip
+        of_roof = statistics.median(runs["of_roofline"])
+        rows.append({"bs": bs, "graph": g, "eager": e, "ratio": g / e, "roofline": roof, "of_roofline": of_roof,
+                     "of_roofline_runs": runs["of_roofline"], "kernel_bound": bound})  # fmt: skip
         print(
             f"bs={bs}: graph {g:.1f} tok/s, eager {e:.1f} tok/s ({g / e:.2f}x, kernel bound {bound:.2f}x), "
-            f"roofline {roof:.1f}",
+            f"roofline {roof:.1f}, graph / roofline per run "
+            + ", ".join(f"{x * 100:.0f}%" for x in runs["of_roofline"]),
             flush=True,
         )
+    bw = statistics.median(bws)
     pre_rows = []
     for tokens in args.prefill:
         pre = {"graph": [], "eager": []}
@@ -213,10 +230,13 @@ def main() -> None:
         print(f"prefill {tokens}: graph {g:.1f} tok/s, eager {e:.1f} tok/s ({g / e:.2f}x)", flush=True)
     same = "identical" if not differing else f"different at bs {sorted(set(differing))}"
     print(f"\ngreedy outputs, graph vs eager: {same}")
-    print(f"read bandwidth {bw:.1f} GB/s, weights read per step {wbytes / 1e9:.3f} GB\n")
+    print(
+        f"read bandwidth {bw:.1f} GB/s (median of the runs' {min(bws):.1f}-{max(bws):.1f}), weights read per step "
+        f"{wbytes / 1e9:.3f} GB, KV {kv_token / 1e3:.1f} kB per token of context\n"
+    )
     print(
         "| decode batch | graph tok/s | eager tok/s | graph / eager | kernel bound | roofline tok/s | "
-        "graph / roofline |"
+        "graph / roofline (median of runs) |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -141,6 +141,49 @@ def test_the_opaque_op_and_leading_dimensions():
         int_gemm.linear(torch.randn(1, 64), packed, "Q4_0", 48, 64)
 
 
+def test_activations_on_rounding_ties_round_half_to_even_on_every_path():
+    """Each block's largest value 127 makes the int8 scale 1, so the other values are exact products: x.5 ties
+    must round half to even on every path (the vector paths convert under the default rounding mode) and
+    values of +-127 must not wrap."""
+    k, n = 64, 32
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 127.0, -127.0, 3.49, -3.51])
+    x = torch.cat([torch.tensor([127.0]), ties.repeat(6)[: k // 2 - 1]]).repeat(2, 2)
+    act = int_gemm.quantize_activations(x, 32)
+    assert act.q[0, 1:4].tolist() == [0, 2, 2] and act.q[0, 7:11].tolist() == [126, -126, 127, -127]
+    rows = raw_rows("Q8_0", n, k)
+    packed = int_gemm.pack("Q8_0", rows)
+    try:
+        for isa in int_gemm.available_isas():
+            int_gemm.set_isa(isa)
+            assert torch.equal(
+                int_gemm.linear(x, packed, "Q8_0", n, k), int_gemm.reference_linear(x, rows, "Q8_0")
+            )
+    finally:
+        int_gemm.set_isa(None)
+
+
+def test_a_compiled_step_calls_the_cpp_kernels_on_the_path_set():
+    """kiln::int_linear and kiln::decode_attention have C++ CPU kernels, so a compiled step's calls never enter
+    Python; the integer one follows set_isa()."""
+    from kiln.layers import cpu_gemm
+
+    assert cpu_gemm.blocked_kernel() is not None
+    for op in ("kiln::int_linear", "kiln::decode_attention"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"), op
+    ext = int_gemm.kernel()
+    try:
+        for isa in int_gemm.available_isas():
+            int_gemm.set_isa(isa)
+            assert ext.isa() == int_gemm.ISAS.index(isa)
+    finally:
+        int_gemm.set_isa(None)
+    assert ext.isa() == int_gemm.ISAS.index(int_gemm.available_isas()[-1])
+    with pytest.raises(ValueError, match="unknown quantized type 'Q9'"):
+        torch.ops.kiln.int_linear(
+            torch.randn(1, 64), int_gemm.pack("Q4_0", raw_rows("Q4_0", 32, 64)), "Q9", 32, 64
+        )
+
+
 def test_set_isa_refuses_an_instruction_set_the_cpu_lacks(monkeypatch):
     monkeypatch.setattr(int_gemm, "_detected_isas", lambda: ("scalar", "avx2"))
     assert int_gemm.available_isas() == ["scalar", "avx2"]

@@ -411,6 +411,9 @@ def set_isa(name: str | None) -> None:
             f"instruction set {name!r} is {known}: this CPU runs {', '.join(available_isas())} (of {', '.join(ISAS)})"
         )
     _isa, _isa_index = name, None
+    ext = kernel()
+    if ext is not None:  # kiln::int_linear's C++ kernel (a compiled step's calls) takes the same path
+        ext.set_isa(ISAS.index(current_isa()))
 
 
 def current_isa() -> str:
@@ -433,7 +436,10 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, n: int, k: int) -
     return ext.linear(x, packed, _FORMATS[qtype], n, _isa_index)
 
 
-# Registered with the dispatcher directly (as cpu_gemm's ops are), so a compiled step calls the kernel as it is.
+# Registered with the dispatcher directly (as cpu_gemm's ops are), so a compiled step calls the kernel as it is;
+# the extension registers its C++ function as the CPU kernel, which the dispatcher prefers to this Python one (a
+# Python frame per matmul cost several microseconds, hundreds of times a step), and this one serves until the
+# extension is loaded.
 _lib = torch.library.Library("kiln", "FRAGMENT")
 _lib.define("int_linear(Tensor x, Tensor packed, str qtype, int n, int k) -> Tensor")
 _lib.impl("int_linear", _linear, "CompositeExplicitAutograd")

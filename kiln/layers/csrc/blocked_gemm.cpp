@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -386,6 +387,16 @@ torch::Tensor linear_q8_0(torch::Tensor x, torch::Tensor packed) { return linear
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                                torch::Tensor mask, double scale, int64_t shared);
+
+// kiln::decode_attention as the dispatcher calls it from a compiled step, where the shared prefix's width is a
+// one-element tensor (cpu_gemm.py defines the schema): C++ throughout, no Python frame per layer
+torch::Tensor decode_attention_op(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                  const torch::Tensor& table, const torch::Tensor& mask, double scale,
+                                  const torch::Tensor& shared) {
+  return decode_attention(q, k_cache, v_cache, table, mask, scale, shared.item<int64_t>());
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("decode_attention", &decode_attention_op); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W [N, K] -> [N / 16, K, 16]");

@@ -16,8 +16,10 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -327,20 +329,65 @@ bool cpu_has(int isa) {
   }
 }
 
-// each row's blocks of `block` values as int8 against the block's largest magnitude (int_gemm.py's
-// quantize_activations, operation for operation), and the rows' sums over runs of 16
-void quantize_activations(const float* x, int64_t m, int64_t k, int64_t block, int8_t* q, float* d, int32_t* sums) {
+// One block of `block` values (a multiple of 32) as int8 against its largest magnitude: d = amax / 127, q =
+// round-half-even(x * (127 / amax)) (int_gemm.py's quantize_activations, operation for operation). The vector paths
+// give the scalar path's bits: the maximum is exact, each product is the one float32 multiply, and converting
+// rounds half to even under the default rounding mode as std::nearbyint does. They exist because the scalar loop
+// calls the library's nearbyint per value, which cost more than a small matmul itself at one or a few rows.
+void quantize_block_scalar(const float* x, int64_t block, int8_t* q, float* d) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(x[j]));
+  *d = amax / 127.0f;
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t j = 0; j < block; ++j) q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inverse));
+}
+
+__attribute__((target("avx2"))) void quantize_block_avx2(const float* x, int64_t block, int8_t* q, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t j = 0; j < block; j += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm_cvtss_f32(m4);
+  *d = amax / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  // packs interleave the 128-bit lanes; the permute puts the 32 bytes back in order
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t j = 0; j < block; j += 32) {
+    __m256i r[4];
+    for (int t = 0; t < 4; ++t) r[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * t), inverse));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+}
+
+__attribute__((target("avx512f,avx512bw"))) void quantize_block_avx512(const float* x, int64_t block, int8_t* q,
+                                                                       float* d) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t j = 0; j < block; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  *d = amax / 127.0f;
+  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  for (int64_t j = 0; j < block; j += 16) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtsepi32_epi8(r));
+  }
+}
+
+using QuantizeBlock = void (*)(const float*, int64_t, int8_t*, float*);
+// per instruction set (kIsaNames' order): AVX-VNNI runs the AVX2 quantization
+constexpr QuantizeBlock kQuantizeBlocks[] = {quantize_block_scalar, quantize_block_avx2, quantize_block_avx2,
+                                             quantize_block_avx512};
+
+// each row's blocks of `block` values as int8 (quantize_block_*), and the rows' sums over runs of 16
+void quantize_activations(const float* x, int64_t m, int64_t k, int64_t block, int isa, int8_t* q, float* d,
+                          int32_t* sums) {
+  const QuantizeBlock quantize_block = kQuantizeBlocks[isa];
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < k / block; ++b) {
-        const float* xb = x + r * k + b * block;
-        int8_t* qb = q + r * k + b * block;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        d[r * (k / block) + b] = amax / 127.0f;
-        const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int64_t j = 0; j < block; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
-      }
+      for (int64_t b = 0; b < k / block; ++b)
+        quantize_block(x + r * k + b * block, block, q + r * k + b * block, d + r * (k / block) + b);
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t s = 0; s < k / 16; ++s) {
         int32_t total = 0;
@@ -382,7 +429,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t format, int6
   q.resize(m * k);
   d.resize(m * (k / block));
   sums.resize(m * (k / 16));
-  quantize_activations(x.data_ptr<float>(), m, k, block, q.data(), d.data(), sums.data());
+  quantize_activations(x.data_ptr<float>(), m, k, block, int(isa), q.data(), d.data(), sums.data());
   auto y = torch::empty({m, blocks * kRows}, x.options());
   const Args args{q.data(), d.data(), sums.data(), packed.data_ptr<uint8_t>(), packed.size(1), y.data_ptr<float>(),
                   blocks * kRows, m, k};
@@ -391,8 +438,38 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t format, int6
   return (n == blocks * kRows ? y : y.narrow(1, 0, n).contiguous()).view(out_sizes);
 }
 
+// the path kiln::int_linear takes: the best this CPU has until set_isa() pins another
+int best_isa() {
+  int isa = 0;
+  while (isa < 3 && cpu_has(isa + 1)) ++isa;
+  return isa;
+}
+std::atomic<int> g_isa{best_isa()};
+
+void set_isa(int64_t isa) {
+  TORCH_CHECK(isa >= 0 && isa < 4 && cpu_has(int(isa)), "int linear: this CPU cannot run path ", isa);
+  g_isa = int(isa);
+}
+
+// kiln::int_linear as the dispatcher calls it from a compiled step: C++ throughout, no Python frame per matmul
+// (int_gemm.py defines the schema; this is its CPU kernel)
+torch::Tensor int_linear_op(const torch::Tensor& x, const torch::Tensor& packed, c10::string_view qtype, int64_t n,
+                            int64_t k) {
+  static const char* const kNames[] = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "I8"};
+  int64_t format = 0;
+  while (format <= kI8 && qtype != kNames[format]) ++format;
+  TORCH_CHECK_VALUE(format <= kI8, "unknown quantized type '", qtype, "'");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, qtype, " linear: the input's K ", x.size(-1),
+                    " is not the weight's ", k);
+  return linear(x, packed, format, n, g_isa.load());
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("int_linear", &int_linear_op); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isas", &cpu_isas, "the instruction-set paths this CPU runs, slowest first");
+  m.def("set_isa", &set_isa, "the path kiln::int_linear takes (an index into the scalar, avx2, ... list)");
+  m.def("isa", [] { return int64_t(g_isa.load()); }, "the path kiln::int_linear takes now");
   m.def("linear", &linear, "x [..., K] float32 against a packed weight -> [..., n]", py::arg("x"), py::arg("packed"),
         py::arg("format"), py::arg("n"), py::arg("isa"));
 }
@@ -580,13 +657,28 @@ static void rows(const Args& a, int64_t b, int64_t m0, int64_t m1) {
 // blocks [b0, b1): panels of kPanel activation rows (kept in cache) run over each block in turn, so a block is
 // read once per panel and the panel once per block from cache rather than memory; the 32-wide formats take
 // Ops::kBlocks blocks a tile where the registers hold them
+// A few activation rows make a call read-bound: each thread streams its blocks once. The hardware prefetchers
+// stop at every 4 KiB page and start again from a miss, so the blocks a little ahead are asked for here.
+constexpr int64_t kPrefetchAhead = 2;  // tiles of blocks ahead
+constexpr int64_t kPrefetchRows = 8;  // up to this many activation rows (a batch-1 verify step has up to 8)
+
+static inline void prefetch_blocks(const Args& a, int64_t b0, int64_t b1, int64_t rows) {
+  if (rows > kPrefetchRows) return;
+  const char* first = reinterpret_cast<const char*>(a.w + b0 * a.block_bytes);
+  const char* end = reinterpret_cast<const char*>(a.w + b1 * a.block_bytes);
+  for (const char* line = first; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+}
+
 template <int FMT>
 static void blocks(const Args& a, int64_t b0, int64_t b1) {
   constexpr int NB = FMT == kQ4_K || FMT == kQ6_K ? 1 : Ops::kBlocks;
   for (int64_t p = 0; p < a.m; p += kPanel) {
     const int64_t p1 = std::min(a.m, p + kPanel);
     int64_t b = b0;
-    for (; b + NB <= b1; b += NB) rows<FMT, NB>(a, b, p, p1);
+    for (; b + NB <= b1; b += NB) {
+      prefetch_blocks(a, b + kPrefetchAhead * NB, std::min(b1, b + (kPrefetchAhead + 1) * NB), p1 - p);
+      rows<FMT, NB>(a, b, p, p1);
+    }
     for (; b < b1; ++b) rows<FMT, 1>(a, b, p, p1);
   }
 }
