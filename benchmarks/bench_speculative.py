@@ -4,6 +4,7 @@ per prompt kind the decode tok/s of each, whether the greedy outputs are identic
 
     .venv/bin/python benchmarks/bench_speculative.py [--max-new-tokens 128] [--model-path PATH] [--cpu-gemm exact]
         [--topk 10]   # NGRAM's breadth: 1 drafts a chain, more a breadth-first tree of earlier matches
+        [--cuda-graph-bs 1 2 4 8 12]  # compiled steps (the CPU's default is eager)
 """
 
 from __future__ import annotations
@@ -53,15 +54,20 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--cpu-gemm", default="auto")
     parser.add_argument("--topk", type=int, default=1, help="NGRAM's breadth (--speculative-eagle-topk)")
+    parser.add_argument(
+        "--cuda-graph-bs", type=int, nargs="*", default=None,
+        help="decode batch sizes to compile (the verify step's rows run on them too); default: eager, the CPU's default",
+    )  # fmt: skip
     args = parser.parse_args()
-    engine = kiln.Engine(model_path=args.model_path, disable_cuda_graph=True, cpu_gemm=args.cpu_gemm)
+    graphs = {"cuda_graph_bs": tuple(args.cuda_graph_bs)} if args.cuda_graph_bs else {"disable_cuda_graph": True}
+    engine = kiln.Engine(model_path=args.model_path, cpu_gemm=args.cpu_gemm, **graphs)
     decode(engine, "warm up", 8, None)
     for kind, prompts in (("copy-heavy", COPY), ("nothing to copy", NO_COPY)):
         plain_s = spec_s = 0.0
         tokens, same, lengths = 0, True, []
         for name, prompt in prompts.items():
-            plain_ids, seconds = decode(engine, prompt, args.max_new_tokens, None)
-            plain_s += seconds
+            plain_ids, plain_s_one = decode(engine, prompt, args.max_new_tokens, None)
+            plain_s += plain_s_one
             drafter = NgramDrafter(max_breadth=args.topk, max_nodes=NGRAM_DRAFT_TOKENS - 1)
             spec = SpecDecoder(drafter, NGRAM_DRAFT_TOKENS - 1, NGRAM_DRAFT_TOKENS)
             spec_ids, seconds = decode(engine, prompt, args.max_new_tokens, spec)
@@ -69,7 +75,10 @@ def main() -> None:
             tokens += len(plain_ids)
             same &= spec_ids == plain_ids
             lengths.append(spec.accept_length())
-            print(f"  {name}: identical={spec_ids == plain_ids} accept_length={spec.accept_length():.2f}")
+            print(
+                f"  {name}: identical={spec_ids == plain_ids} accept_length={spec.accept_length():.2f} "
+                f"speed-up {plain_s_one / seconds:.2f}x"
+            )
         print(
             f"{kind}: plain {tokens / plain_s:.1f} tok/s, NGRAM {tokens / spec_s:.1f} tok/s "
             f"({plain_s / spec_s:.2f}x), identical={same}, accept length "
