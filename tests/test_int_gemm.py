@@ -197,6 +197,9 @@ def test_set_isa_refuses_an_instruction_set_the_cpu_lacks(monkeypatch):
     finally:
         int_gemm.set_isa(None)
     assert int_gemm.current_isa() == "avx2"  # the best of what the (patched) detection reports
+    monkeypatch.undo()
+    int_gemm.set_isa(None)  # the C++ kernel of the compiled steps back on this CPU's best path
+    assert int_gemm.kernel().isa() == int_gemm.ISAS.index(int_gemm.available_isas()[-1])
 
 
 def test_the_float32_kernels_avx512_path_gives_the_avx2_bits():
