@@ -80,6 +80,35 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
         assert extra == (1 + 3 + 3 * layers * 2) * CUDA_BYTES_PER_GRAPH
 
 
+def test_the_ledger_counts_a_heads_guess_slots(paths) -> None:
+    """An EAGLE head's pool mirrors the target's slots (counted per token with the pool) and holds every running
+    request's guesses above them: topk x (steps + 1) slots of the head's KV each, a line the headroom pays for. A
+    draft model (STANDALONE) drafts within its pool's tokens, so it has no such line."""
+    from kiln.config import ServerArgs
+    from kiln.scheduler.launch import plan_ledger
+
+    target, head = paths
+    base = dict(model_path=str(target), device="cpu", device_memory="16GiB", max_running_requests=4)
+    plain = plan_ledger(ServerArgs(**base)).ledger
+    chain = plan_ledger(ServerArgs(**base, **SPEC, speculative_draft_model_path=head)).ledger
+    tree = plan_ledger(
+        ServerArgs(**base, **SPEC, speculative_draft_model_path=head, speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=4)
+    ).ledger  # fmt: skip
+    head_bytes_per_token = chain.kv_bytes_per_token - plain.kv_bytes_per_token
+    assert head_bytes_per_token > 0
+    for ledger, topk in ((chain, 1), (tree, 2)):
+        guesses = ledger.line("draft guess slots")
+        assert guesses.bytes == 4 * topk * (STEPS + 1) * head_bytes_per_token, guesses
+        assert f"4 requests x {topk * (STEPS + 1)} guesses" in guesses.inputs
+    standalone = dict(
+        speculative_algorithm="STANDALONE",
+        speculative_num_steps=STEPS,
+        speculative_draft_model_path=str(target),
+    )
+    assert not plan_ledger(ServerArgs(**base, **standalone)).ledger.has_line("draft guess slots")
+
+
 class Recorder:
     """Wraps a runner's forward: each decode step's rows and whether a graph ran it; for the target, the hidden
     states eager decoding hands out for the same batch, computed just before (the replayed step then rewrites

@@ -67,3 +67,9 @@ def draft_extend_tokens(prefill_tokens: list[int], batch_sizes: list[int], token
         return []
     most = bucket_for(tokens, max(batch_sizes) * tokens_per_req) or tokens[-1]
     return [t for t in tokens if t <= most]
+
+
+def head_guess_tokens(num_steps: int, topk: int) -> int:
+    """KV slots one request's EAGLE / EAGLE-3 / NEXTN head writes its guesses to above the target's slots, which
+    its pool mirrors: `topk` branches a step for a tree (one for a chain), num_steps + 1 steps."""
+    return max(topk, 1) * (num_steps + 1)

@@ -262,6 +262,7 @@ def reserve_lines(
             reserve.request_table_bytes,
             f"{requests} requests x {shapes.context} context x 8 B (int64)",
         ),
+        *_guess_lines(inputs, reserve),
         LedgerLine("runtime overhead", shapes.overhead, runtime),
         LedgerLine("graph reserve", reserve.graph_bytes, reserve.graph_text),
         LedgerLine("prefill activations", shapes.prefill_bytes, shapes.prefill_text),
@@ -270,6 +271,19 @@ def reserve_lines(
         ),
         LedgerLine("headroom", budget.headroom, "available - everything above (must stay >= 0)"),
     ]
+
+
+def _guess_lines(inputs: LedgerInputs, reserve: RequestReserve) -> list[LedgerLine]:
+    """A draft head's guess slots: its pool mirrors the pool's tokens (counted per token above) and holds each
+    running request's guesses above them."""
+    if not reserve.draft_guess_bytes:
+        return []
+    per_token = reserve.draft_guess_bytes // (reserve.running_requests * inputs.draft_guess_tokens_per_req)
+    text = (
+        f"{reserve.running_requests} requests x {inputs.draft_guess_tokens_per_req} guesses "
+        f"(topk x (steps + 1)) x draft {per_token} B"
+    )
+    return [LedgerLine("draft guess slots", reserve.draft_guess_bytes, text)]
 
 
 def _storage_lines(inputs: LedgerInputs) -> list[LedgerLine]:

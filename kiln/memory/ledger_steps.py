@@ -155,6 +155,7 @@ class RequestReserve:
     graph_text: str
     logits_bytes: int
     request_table_bytes: int
+    draft_guess_bytes: int = 0  # a draft head's guess slots (their KV), above the pool's tokens
 
 
 def request_reserve(inputs: LedgerInputs, shapes: StepShapes, running_requests: int) -> RequestReserve:
@@ -167,6 +168,7 @@ def request_reserve(inputs: LedgerInputs, shapes: StepShapes, running_requests: 
         graph_text=graph_text,
         logits_bytes=running_requests * shapes.vocab * 4,
         request_table_bytes=running_requests * shapes.context * 8,
+        draft_guess_bytes=running_requests * inputs.draft_guess_tokens_per_req * kv_cell(inputs).draft,
     )
 
 
@@ -179,6 +181,7 @@ def reserve_bytes(inputs: LedgerInputs, shapes: StepShapes, running_requests: in
         + shapes.prefill_bytes
         + reserve.logits_bytes
         + reserve.request_table_bytes
+        + reserve.draft_guess_bytes
     )
 
 
@@ -215,6 +218,7 @@ def pool_budget(
         - pool
         - state_bytes
         - reserve.request_table_bytes
+        - reserve.draft_guess_bytes
         - shapes.overhead
     )
     headroom = after_pool - reserve.graph_bytes - shapes.prefill_bytes - reserve.logits_bytes

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.core.graph_shapes import head_guess_tokens
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 
 _MODULUS = (1 << 61) - 1
@@ -38,7 +39,7 @@ def head_pool_sizes(target: ModelRunner, sizes: PoolSizes, num_steps: int, topk:
     """A head's pool: the target's slots mirrored, then room for every running request's guesses (`topk`
     branches a step for a tree, one a step for a chain); pages of one token."""
     running = sizes.max_running_requests
-    guesses = running * max(topk, 1) * (num_steps + 1)
+    guesses = running * head_guess_tokens(num_steps, topk)
     return PoolSizes(target_pool_rows(target) - 1 + guesses, running, sizes.context_len + num_steps, 1)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kiln.config import ServerArgs
+from kiln.core.graph_shapes import head_guess_tokens
 from kiln.memory.ledger_types import LedgerInputs
 
 NEEDS_DRAFT_PATH = ("STANDALONE", "EAGLE", "EAGLE3")
@@ -120,9 +121,11 @@ def with_speculation(inputs: LedgerInputs, args: ServerArgs) -> LedgerInputs:
     # a draft model's catch-up extends run on prefill pieces; a head's layers do not split into them
     draft = inputs.draft_hf_config if settings.algorithm == "STANDALONE" else None
     layers = int(draft.get("num_hidden_layers", 0)) if draft else 0
+    head = settings.algorithm in ("EAGLE", "EAGLE3", "NEXTN")
     return replace(
         inputs,
         verify_tokens_per_req=settings.num_draft_tokens,
         draft_rows_per_req=draft_rows,
         draft_extend_layers=layers,
+        draft_guess_tokens_per_req=head_guess_tokens(settings.num_steps, settings.topk) if head else 0,
     )
