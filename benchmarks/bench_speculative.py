@@ -55,11 +55,16 @@ def main() -> None:
     parser.add_argument("--cpu-gemm", default="auto")
     parser.add_argument("--topk", type=int, default=1, help="NGRAM's breadth (--speculative-eagle-topk)")
     parser.add_argument(
-        "--cuda-graph-bs", type=int, nargs="*", default=None,
+        "--cuda-graph-bs",
+        type=int,
+        nargs="*",
+        default=None,
         help="decode batch sizes to compile (the verify step's rows run on them too); default: eager, the CPU's default",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
-    graphs = {"cuda_graph_bs": tuple(args.cuda_graph_bs)} if args.cuda_graph_bs else {"disable_cuda_graph": True}
+    graphs = (
+        {"cuda_graph_bs": tuple(args.cuda_graph_bs)} if args.cuda_graph_bs else {"disable_cuda_graph": True}
+    )
     engine = kiln.Engine(model_path=args.model_path, cpu_gemm=args.cpu_gemm, **graphs)
     decode(engine, "warm up", 8, None)
     for kind, prompts in (("copy-heavy", COPY), ("nothing to copy", NO_COPY)):

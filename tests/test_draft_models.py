@@ -473,6 +473,23 @@ def test_engine_nextn_matches_plain(deepseek_dir: Path, deepseek) -> None:
         eng.shutdown()
 
 
+def test_the_ledger_counts_the_nextn_heads_kv(deepseek_dir: Path, deepseek) -> None:
+    """NEXTN's head mirrors the target's slots on a latent pool of its own, one target layer's KV per token, and
+    holds its guesses above them: the ledger counts both (the model has no draft config to read them from)."""
+    from kiln.config import ServerArgs
+    from kiln.scheduler.launch import plan_ledger
+    from kiln.speculative.nextn import build_nextn_drafter
+
+    base = dict(model_path=str(deepseek_dir), device="cpu", device_memory="16GiB", max_running_requests=4)
+    plain = plan_ledger(ServerArgs(**base)).ledger
+    nextn = plan_ledger(ServerArgs(**base, speculative_algorithm="NEXTN")).ledger
+    head_per_token = nextn.kv_bytes_per_token - plain.kv_bytes_per_token
+    target, _ = deepseek
+    pool = build_nextn_drafter(target, PoolSizes(POOL, RUNNING, CONTEXT, 1), 3).runner.kv_pool
+    assert head_per_token == pool.k_bytes // pool.k[0].shape[0] == plain.kv_bytes_per_token // 3
+    assert nextn.line("draft guess slots").bytes == 4 * (3 + 1) * head_per_token  # SGLang's 3 steps, a chain
+
+
 def test_nextn_needs_an_mtp_layer(target: ModelRunner) -> None:
     from kiln.speculative.nextn import build_nextn_drafter
 

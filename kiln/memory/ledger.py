@@ -239,7 +239,7 @@ def kv_lines(inputs: LedgerInputs, cell: KvCell, budget: PoolBudget) -> list[Led
     cfg = text_config(inputs.hf_config)
     _, value_width, widths = kv_dims(cfg, inputs.tp_size)
     cell_text = f"{widths} x {kv_layers(cfg)} layers x {cell.element_bytes} B ({cell.dtype})"
-    if inputs.draft_hf_config:
+    if cell.draft:
         cell_text += f" + draft {cell.draft} B"
     pool = budget.pool_bytes
     split = (

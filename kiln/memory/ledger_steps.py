@@ -87,11 +87,11 @@ def kv_cell(inputs: LedgerInputs) -> KvCell:
     dtype = kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype)
     element_bytes = dtype_bytes(dtype)
     model = kv_bytes_per_token(inputs.hf_config, inputs.tp_size, element_bytes)
-    draft = (
-        kv_bytes_per_token(inputs.draft_hf_config, inputs.tp_size, element_bytes)
-        if inputs.draft_hf_config
-        else 0
-    )
+    if inputs.draft_hf_config:
+        draft = kv_bytes_per_token(inputs.draft_hf_config, inputs.tp_size, element_bytes)
+    else:  # NEXTN's head: layers of the target's own shape
+        k, v, _ = kv_dims(text_config(inputs.hf_config), inputs.tp_size)
+        draft = (k + v) * inputs.draft_head_kv_layers * element_bytes
     return KvCell(dtype, element_bytes, model, draft)
 
 

@@ -53,6 +53,8 @@ class LedgerInputs:
     draft_extend_layers: int = 0  # a draft model's layers, whose catch-up extends run on prefill pieces
     # a head's (EAGLE, EAGLE-3, NEXTN) guess slots per request, above the target's slots its pool mirrors
     draft_guess_tokens_per_req: int = 0
+    # NEXTN: the target's own MTP layer drafts, with KV of one target layer per token (no draft config to read)
+    draft_head_kv_layers: int = 0
     disable_radix_cache: bool = False  # hybrid models: no checkpoint slots for the prefix cache
     mamba_full_memory_ratio: float | None = None  # hybrid models: SGLang's state : KV split of the pool
     max_mamba_cache_size: int | None = None  # hybrid models: state slots given
