@@ -469,6 +469,20 @@ def test_engine_nextn_matches_plain(deepseek_dir: Path, deepseek) -> None:
         outs = eng.generate(input_ids=PROMPTS, sampling_params=params)
         assert [o["output_ids"] for o in outs] == deepseek[1]
         assert eng.scheduler.spec.drafter.drafted_tokens > 0
+        assert not eng.scheduler.runner.model.mtp_weights  # the head holds its own copy
+    finally:
+        eng.shutdown()
+
+
+def test_without_nextn_the_mtp_layer_is_not_kept(deepseek_dir: Path) -> None:
+    """The loader sets a checkpoint's MTP layer aside for NEXTN; a server that does not draft with it lets it go
+    once startup has decided, rather than hold a layer's weights in host memory the ledger does not count."""
+    import kiln
+
+    eng = kiln.Engine(model_path=str(deepseek_dir), **ENGINE_ARGS)
+    try:
+        assert not eng.scheduler.runner.model.mtp_weights
+        assert eng.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2})["output_ids"]
     finally:
         eng.shutdown()
 

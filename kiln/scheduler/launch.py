@@ -341,6 +341,9 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
     runner = _load_runner(args, plan, model_config, phase)
     # the drafter first: an EAGLE head sets the target to keep hidden states, which its captured steps then do
     spec = _spec_decoder(spec_settings, runner, tokenizer, ledger, args)
+    # a checkpoint's MTP layers, set aside at load for NEXTN (whose head has its own copy by now): without NEXTN
+    # they would hold host memory the ledger does not count (DeepSeek-V3's: one MoE layer) for nothing
+    getattr(runner.model, "mtp_weights", {}).clear()
     _start_graphs(runner, ledger, args, phase, spec)
     if spec is not None:
         _start_draft_graphs(spec, ledger, args, phase)
