@@ -62,8 +62,17 @@ def test_the_ledger_counts_what_the_model_holds(engine: kiln.Engine, model_path:
     assert kv_bytes_per_token(config, 1, 4) == per_token
 
 
-def test_the_mtp_layer_is_kept_aside(engine: kiln.Engine) -> None:
-    model = engine.scheduler.runner.model
+def test_the_mtp_layer_is_kept_aside(model_path: str) -> None:
+    """The loader sets the MTP layer aside for NEXTN (an engine without NEXTN lets it go after startup:
+    tests/test_draft_models.py)."""
+    from kiln.loader.model_config import read_hf_config
+    from kiln.models.config import ModelConfig
+    from kiln.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(ModelConfig.from_hf_dict(model_path, read_hf_config(model_path)), torch.float32,
+                         torch.float32, "cpu")  # fmt: skip
+    runner.load(256, prepack=False)
+    model = runner.model
     assert sorted(model.mtp_weights) == sorted(MTP_TENSORS)
     assert all(tuple(model.mtp_weights[k].shape) == shape for k, shape in MTP_TENSORS.items())
     assert len(model.model.layers) == 3  # never a layer of the main model
