@@ -101,6 +101,11 @@ def test_the_ledger_counts_a_heads_guess_slots(paths) -> None:
         guesses = ledger.line("draft guess slots")
         assert guesses.bytes == 4 * topk * (STEPS + 1) * head_bytes_per_token, guesses
         assert f"4 requests x {topk * (STEPS + 1)} guesses" in guesses.inputs
+    # a chain drafts num_draft_tokens - 1 steps, as the head is built: one step here, two guesses a request
+    short = plan_ledger(
+        ServerArgs(**base, **SPEC, speculative_draft_model_path=head, speculative_num_draft_tokens=2)
+    ).ledger
+    assert short.line("draft guess slots").bytes == 4 * 2 * head_bytes_per_token
     standalone = dict(
         speculative_algorithm="STANDALONE",
         speculative_num_steps=STEPS,

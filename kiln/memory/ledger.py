@@ -278,10 +278,9 @@ def _guess_lines(inputs: LedgerInputs, reserve: RequestReserve) -> list[LedgerLi
     running request's guesses above them."""
     if not reserve.draft_guess_bytes:
         return []
-    per_token = reserve.draft_guess_bytes // (reserve.running_requests * inputs.draft_guess_tokens_per_req)
     text = (
         f"{reserve.running_requests} requests x {inputs.draft_guess_tokens_per_req} guesses "
-        f"(topk x (steps + 1)) x draft {per_token} B"
+        f"(topk x (steps + 1)) x draft {kv_cell(inputs).draft} B"
     )
     return [LedgerLine("draft guess slots", reserve.draft_guess_bytes, text)]
 

@@ -221,9 +221,7 @@ def _drafter(
     sizes = PoolSizes(
         ledger.max_total_num_tokens, ledger.max_running_requests, ledger.context_len, args.page_size
     )
-    # a chain drafts one token a step up to the verify's width; a tree grows --speculative-num-steps levels and
-    # keeps its best num_draft nodes (SGLang's EAGLE tree)
-    steps = settings.num_draft if settings.topk == 1 else settings.num_steps
+    steps = settings.draft_steps
     tree = {"topk": settings.topk, "num_nodes": settings.num_draft}
     if settings.algorithm == "STANDALONE" and path:
         from kiln.speculative.draft_model import build_standalone_drafter

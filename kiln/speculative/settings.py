@@ -36,6 +36,12 @@ class SpecSettings:
         """Draft tokens per request per verify."""
         return self.num_draft_tokens - 1
 
+    @property
+    def draft_steps(self) -> int:
+        """Steps a draft model or head runs per verify: a chain drafts one token a step up to the verify's width;
+        a tree grows --speculative-num-steps levels and keeps its best num_draft nodes (SGLang's EAGLE tree)."""
+        return self.num_draft if self.topk == 1 else self.num_steps
+
 
 def auto_params(algorithm: str, architecture: str) -> tuple[int, int, int]:
     """SGLang's auto (steps, topk, num_draft_tokens), or its steps with a chain where Kiln drafts no tree."""
@@ -127,6 +133,6 @@ def with_speculation(inputs: LedgerInputs, args: ServerArgs) -> LedgerInputs:
         verify_tokens_per_req=settings.num_draft_tokens,
         draft_rows_per_req=draft_rows,
         draft_extend_layers=layers,
-        draft_guess_tokens_per_req=head_guess_tokens(settings.num_steps, settings.topk) if head else 0,
+        draft_guess_tokens_per_req=head_guess_tokens(settings.draft_steps, settings.topk) if head else 0,
         draft_head_kv_layers=1 if settings.algorithm == "NEXTN" else 0,  # its runner has one layer
     )
