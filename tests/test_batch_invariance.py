@@ -7,9 +7,11 @@ is independent of the batch around it (the decode kernel pads its last tile rath
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kiln
 from kiln.platform import cpu_runs_kiln_kernel
+from kiln.runner import graph_runner
 from kiln.scheduler.spec_step import SpecDecoder
 from kiln.speculative.ngram import NgramDrafter
 
@@ -54,3 +56,34 @@ def test_ngram_speculation_keeps_integer_compute_greedy_output(engine, alone):
     assert speculated == alone
     assert spec.totals.accepted_drafts > 0  # the list prompt copies: drafts were verified and kept
     assert engine.check_integrity()["ok"]
+
+
+def test_compiled_steps_decode_as_eager_ones(alone):
+    """A compiled batch-1 step gives the eager step's tokens, so a server that runs some shapes compiled and the
+    rest eagerly (a batch size not captured, or one whose graph did not pay) decodes a prompt alike alone, batched
+    and speculated: the compiled step's RMSNorm is Kiln's kernel as an opaque op, not inductor's own fused sum."""
+    # the engine forbids recompiles once captured, for the whole process: later tests compile functions
+    dynamo = torch._dynamo.config.patch(error_on_recompile=torch._dynamo.config.error_on_recompile)
+    with pytest.MonkeyPatch.context() as mp, dynamo:
+        mp.setattr(graph_runner, "MAX_SLOWDOWN", 1e9)  # keep the shape whatever its timing against eager
+        compiled = kiln.Engine(cuda_graph_bs=(1,), cpu_gemm="auto")
+        _check_compiled_against_eager(compiled, alone)
+
+
+def _check_compiled_against_eager(compiled, alone) -> None:
+    try:
+        runner, graph_steps = compiled.scheduler.runner, []
+        inner = type(runner).forward.__get__(runner)
+
+        def forward(fb):
+            out = inner(fb)
+            graph_steps.append(runner.last_forward_graph)
+            return out
+
+        runner.forward = forward
+        assert [compiled.generate(p, GREEDY)["output_ids"] for p in PROMPTS] == alone
+        assert sum(graph_steps) >= len(PROMPTS) * (GREEDY["max_new_tokens"] - 1)  # every decode step compiled
+        compiled.scheduler.spec = SpecDecoder(NgramDrafter(), 7, 8)  # verify rows: eager batches of up to 8
+        assert [out["output_ids"] for out in compiled.generate(PROMPTS, GREEDY)] == alone
+    finally:
+        compiled.shutdown()

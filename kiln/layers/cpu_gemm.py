@@ -28,6 +28,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,7 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("blocke
 
 QUANTIZATIONS = ("int8",)  # --quantization values that quantize float32 weights at load
 
+_kernel_loaded = False  # blocked_kernel() has loaded: what a compiled step asks, never the loader itself
 _mode = "auto"  # --cpu-gemm of the model being loaded (or last loaded); set_cpu_gemm() changes it
 _quantization: str | None = None  # --quantization of the model being loaded
 _packed: Counter[str] = Counter()  # the formats prepack() gave since prepack_module_weights() began
@@ -89,6 +91,8 @@ def blocked_kernel():
     logger.info(
         f"Kiln's CPU matmul kernel loaded in {time.perf_counter() - t0:.1f} s (built on the first start)."
     )
+    global _kernel_loaded
+    _kernel_loaded = True
     return ext
 
 
@@ -106,12 +110,17 @@ def kiln_kernel():
     return kernel
 
 
-def eager_cpu_kernel(x: torch.Tensor):
-    """Kiln's CPU kernels for an eager float32 CPU call, or None (another device or dtype, inside a compiled step
-    whose compiler fuses the ATen ops itself, or no kernel here)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+def cpu_rms_norm(x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+    """Kiln's RMSNorm kernel for a float32 CPU x, or None (another device or dtype, --cpu-gemm onednn, no kernel).
+    Inside a compiled step it is the opaque op over the same C++ function: inductor's own fused norm sums the
+    squares in another order, and under integer compute a last-bit difference becomes another token, so a batch
+    that runs eagerly (a shape not captured, or not kept) next to compiled ones would decode differently."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    return kiln_kernel()
+    if torch.compiler.is_compiling():
+        return torch.ops.kiln.rms_norm if _kernel_loaded and _mode != "onednn" else None
+    kernel = kiln_kernel()
+    return None if kernel is None else kernel.rms_norm
 
 
 def packed_layout_name() -> str:
@@ -224,6 +233,15 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 packed_linear = torch.ops.kiln.packed_linear
+
+# RMSNorm as an opaque op (cpu_rms_norm says why); the extension registers its C++ function as the CPU kernel
+_lib.define("rms_norm(Tensor x, Tensor w, float eps) -> Tensor")
+_lib.impl("rms_norm", lambda x, w, eps: blocked_kernel().rms_norm(x, w, eps), "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kiln::rms_norm")
+def _(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _decode_attention(

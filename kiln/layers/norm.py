@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers.cpu_gemm import eager_cpu_kernel
+from kiln.layers.cpu_gemm import cpu_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,11 +17,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same arithmetic as below
-            kernel = eager_cpu_kernel(x)
             # one call instead of F.rms_norm's chain of ATen ops, whose per-op overhead outweighs the arithmetic
-            # at decode sizes (docs/benchmarks.md)
+            # at decode sizes (docs/benchmarks.md); compiled steps call it too, for the eager step's bits
+            kernel = cpu_rms_norm(x)
             if kernel is not None:
-                return kernel.rms_norm(x, self.weight, self.eps)
+                return kernel(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()

@@ -396,7 +396,12 @@ torch::Tensor decode_attention_op(const torch::Tensor& q, const torch::Tensor& k
   return decode_attention(q, k_cache, v_cache, table, mask, scale, shared.item<int64_t>());
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("decode_attention", &decode_attention_op); }
+torch::Tensor rms_norm_op(const torch::Tensor& x, const torch::Tensor& w, double eps) { return rms_norm(x, w, eps); }
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("decode_attention", &decode_attention_op);
+  m.impl("rms_norm", &rms_norm_op);  // a compiled step's norms: the eager step's arithmetic (cpu_gemm.cpu_rms_norm)
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W [N, K] -> [N / 16, K, 16]");
