@@ -147,6 +147,16 @@ class ServerArgs:
     watchdog_timeout: float = _f(300.0, "seconds a forward step or startup phase may make no progress")
     log_level: str = _f("info", "logging level")
     log_requests: bool = _f(False, "log every request")
+    attention_backend: str | None = _f(
+        None,
+        "attention kernels (default: Kiln chooses: its CPU kernel on the CPU under float32 compute, torch SDPA "
+        "elsewhere, latent attention for MLA models) | triton (Kiln's Triton kernels reading the paged KV pool in "
+        "place, as SGLang's: compiled on CUDA, run in Triton's interpreter on the CPU, which is for checking, not "
+        "speed; `pip install triton`) | torch_native (torch SDPA) | intel_amx (SGLang's CPU backend: Kiln's CPU "
+        "kernel, the CPU's default). MLA models keep latent attention. SGLang's other backends are accepted and "
+        "Kiln chooses",
+        choices=["triton", "torch_native", "intel_amx"],
+    )
     num_threads: int | None = _f(None, "torch CPU threads (default: all cores)")
     disable_weight_prepack: bool = _f(
         False,

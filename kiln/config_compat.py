@@ -139,7 +139,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ),
     *_group(
         _ATTENTION,
-        values="--attention-backend --decode-attention-backend --prefill-attention-backend",
+        values="--decode-attention-backend --prefill-attention-backend",
         agreeing=("torch_native", "intel_amx"),
     ),
     *_group(
@@ -653,10 +653,19 @@ SGLANG_NATIVE_FLAGS: tuple[str, ...] = tuple(
     "--reasoning-parser --tool-call-parser --disable-cuda-graph --mamba-full-memory-ratio "
     "--max-mamba-cache-size --mamba-track-interval --quantization --speculative-algorithm "
     "--speculative-draft-model-path --speculative-draft-model --speculative-num-steps "
-    "--speculative-eagle-topk --speculative-num-draft-tokens".split()
+    "--speculative-eagle-topk --speculative-num-draft-tokens --attention-backend".split()
 )
 
 FOREIGN_VALUES: tuple[ForeignValue, ...] = (
+    ForeignValue(
+        "--attention-backend",
+        tuple(
+            "aiter ascend cutlass_mla dual_chunk_flash_attn fa3 fa4 flashinfer flashmla flex_attention "
+            "hybrid_linear_attn intel_xpu nsa trtllm_mha trtllm_mla wave".split()
+        ),
+        "Kiln's attention kernels are its own (--attention-backend triton | torch_native | intel_amx): it chooses "
+        "one itself",
+    ),
     ForeignValue(
         "--hicache-storage-backend",
         tuple(

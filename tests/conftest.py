@@ -15,6 +15,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton picks its interpreter when first imported, and importing a transformers model class imports it: without a
+# GPU, Kiln's Triton kernels (tests/test_triton_attention.py) run in the interpreter, so it is chosen here first
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TINY_SHAPE = dict(
     hidden_size=64,

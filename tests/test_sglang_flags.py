@@ -30,7 +30,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 LAUNCH_LINE = (
     "--model-path X --host 127.0.0.1 --port 31234 --tp-size 1 --trust-remote-code --enable-metrics --dtype half "
     "--context-length 2k --mem-fraction-static 0.8 --max-running-requests 8 --chunked-prefill-size 512 "
-    "--attention-backend triton --sampling-backend pytorch --disable-overlap-schedule --log-requests-level 1 "
+    "--attention-backend fa3 --sampling-backend pytorch --disable-overlap-schedule --log-requests-level 1 "
     "--revision main --load-format auto --enable-torch-compile --cuda-graph-max-bs 8 --schedule-policy lpm "
     "--served-model-name default"
 ).split()
@@ -57,13 +57,17 @@ def test_a_launch_line_of_twenty_sglang_flags(parser):
     assert args.foreign_flags == (
         ("--trust-remote-code",),
         ("--enable-metrics",),
-        ("--attention-backend", "triton"),
         ("--sampling-backend", "pytorch"),
         ("--disable-overlap-schedule",),
         ("--log-requests-level", "1"),
         ("--load-format", "auto"),
         ("--enable-torch-compile",),
+        (
+            "--attention-backend",
+            "fa3",
+        ),  # a value of a flag Kiln implements: after the flags it has no field for
     )
+    assert args.attention_backend is None  # Kiln chooses
     messages = config_compat.foreign_flag_messages(args.foreign_flags)
     assert len(messages) == 8
     warned = [line.split(":")[0] for level, line in messages if level == logging.WARNING]
@@ -72,9 +76,9 @@ def test_a_launch_line_of_twenty_sglang_flags(parser):
     # the line is information, not a warning
     assert warned == [
         "SGLang flag --trust-remote-code",
-        "SGLang flag --attention-backend triton",
         "SGLang flag --log-requests-level 1",
         "SGLang flag --enable-torch-compile",
+        "SGLang flag --attention-backend fa3",
     ]
     assert noted == [
         "SGLang flag --enable-metrics",
@@ -257,7 +261,7 @@ def sglang_server(hub_cache, tmp_path_factory):
     line = (
         f"--model-path {MODEL_ID} --revision main --host 127.0.0.1 --tp-size 1 --trust-remote-code "
         "--enable-metrics --dtype float --context-length 2k --max-total-tokens 4k --max-running-requests 8 "
-        "--chunked-prefill-size 512 --attention-backend triton --sampling-backend pytorch "
+        "--chunked-prefill-size 512 --attention-backend fa3 --sampling-backend pytorch "
         "--disable-overlap-schedule --log-requests-level 1 --load-format auto --enable-torch-compile "
         "--schedule-policy lpm --served-model-name default --skip-server-warmup"
     ).split()
@@ -282,7 +286,7 @@ def test_kiln_serves_an_sglang_launch_line(sglang_server):
     for flag in [
         "--trust-remote-code",
         "--enable-metrics",
-        "--attention-backend triton",
+        "--attention-backend fa3",
         "--enable-torch-compile",
     ]:
         assert log.count(f"SGLang flag {flag}:") == 1, log[-3000:]

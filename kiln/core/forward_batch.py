@@ -52,6 +52,20 @@ class ShortExtends:
 
 
 @dataclass(frozen=True)
+class ExtendSpans:
+    """An extend batch as flat tensors, for a kernel that runs every request in one launch (Triton): request r's
+    new tokens are rows ext_start[r] .. + ext_lens[r] of the batch, its cached prefix the pool slots
+    prefix_slots[prefix_start[r] .. + prefix_lens[r]]."""
+
+    prefix_slots: torch.Tensor  # [sum of prefix lengths] int64
+    prefix_start: torch.Tensor  # [R] int64
+    prefix_lens: torch.Tensor  # [R] int64
+    ext_start: torch.Tensor  # [R] int64
+    ext_lens: torch.Tensor  # [R] int64
+    max_ext: int
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """What every layer's attention reads about the batch. The attention backend builds it once per step
     (prepare_metadata) before graphs or the model run, so that no layer works it out again and captured steps
@@ -68,6 +82,10 @@ class AttentionMetadata:
     mostly_shared: bool = False
     # EXTEND on the CPU kernel: the batch's short extends on cached prefixes (None: there are none)
     short_extends: ShortExtends | None = None
+    # DECODE on Triton: how many chunks each row's KV is cut into (split-K), fixed per captured shape
+    kv_splits: int = 1
+    # EXTEND on Triton: the batch's requests as flat tensors
+    spans: ExtendSpans | None = None
 
 
 @dataclass(frozen=True)

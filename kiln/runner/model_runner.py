@@ -42,6 +42,7 @@ class ModelRunner:
         self.measured: dict[str, int] = {}
         self.graphs = None  # a GraphRunner once decode graphs were captured
         self.attn_backend: AttentionBackend | None = None  # chosen with the KV pool it reads
+        self.attention_backend: str | None = None  # --attention-backend (None: Kiln's choice)
         self.state_pool: StatePool | None = None  # hybrid models' linear-layer states
         self.last_forward_graph = False
         self.last_hidden: torch.Tensor | None = None  # the last forward's [rows, width], if kept
@@ -116,7 +117,9 @@ class ModelRunner:
         self.table = ReqToTokenPool(sizes.max_running_requests, sizes.context_len, self.device)
         self.allocator = TokenAllocator(sizes.max_total_num_tokens, sizes.page_size, self.device)
         lora = cfg.mla.kv_lora_rank if cfg.mla is not None else 0
-        self.attn_backend = make_attention_backend(self.kv_pool, divide(cfg.num_heads, tp), self.dtype, lora)
+        self.attn_backend = make_attention_backend(
+            self.kv_pool, divide(cfg.num_heads, tp), self.dtype, lora, self.attention_backend
+        )
         self.model.attn = self.attn_backend
         self._make_state_pool(sizes)
         self.measured["kv_pool"] = self.kv_pool.k_bytes + self.kv_pool.v_bytes

@@ -161,6 +161,11 @@ def _load_runner(
     runner = ModelRunner(
         model_config, torch_dtype(inputs.dtype), kv_torch_dtype(inputs.kv_cache_dtype), inputs.device
     )
+    runner.attention_backend = args.attention_backend
+    if (
+        args.attention_backend == "triton"
+    ):  # Triton in before the load imports it (it picks its interpreter then)
+        import kiln.layers.triton_attention  # noqa: F401
     runner.load(
         max(ledger.context_len, model_config.max_position_embeddings) + 8,
         on_progress=lambda info: phase("progress", info),
@@ -181,7 +186,11 @@ def _load_runner(
 def _start_graphs(
     runner: ModelRunner, ledger: Ledger, args: ServerArgs, phase: OnPhase, spec: SpecDecoder | None
 ) -> None:
-    if runner.device == "cpu" and not ledger.graph_batch_sizes and not args.disable_cuda_graph:
+    if runner.device == "cpu" and args.attention_backend == "triton" and not args.disable_cuda_graph:
+        logger.info(
+            "Steps run eagerly: Triton's interpreter (--attention-backend triton on the CPU) is not compiled."
+        )
+    elif runner.device == "cpu" and not ledger.graph_batch_sizes and not args.disable_cuda_graph:
         logger.info(
             "Decode graphs are off on the CPU by default: each batch size compiles at the first start (the "
             "compile cache makes later starts quick) and their payoff over eager decode depends on the batch "

@@ -1,0 +1,261 @@
+"""Attention kernels in Triton that read the paged KV pool in place, in the manner of SGLang's Triton backend.
+
+Decode is split-K: each (request, query head) has its KV slots cut into `splits` chunks, a first kernel computes each
+chunk's softmax-weighted sum of V and its log-sum-exp, and a second merges the chunks, so a long context spreads
+over many programs rather than one. Extend runs each request's new tokens in blocks of rows over its cached prefix
+(read from the pool through its slots) and then over its own new K and V, causally, with an online softmax.
+
+Everything accumulates in float32 whatever the pool's dtype. The kernels take plain tensors and integers only, no
+host-side work between launches, so a captured step can replay them. On a machine without a GPU, tests run them in
+Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# no GPU: the kernels run in Triton's interpreter, which must be chosen before they are decorated
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # kiln runs without Triton; --attention-backend triton then says how to get it
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def check_runnable() -> None:
+    """Raises where these kernels cannot run: without a GPU they need Triton's interpreter, which is chosen when
+    Triton is first imported (importing a transformers model class imports it too), so a process that imported it
+    before Kiln could choose must be started with TRITON_INTERPRET=1."""
+    if torch.cuda.is_available() or not isinstance(tl.zeros, triton.runtime.jit.JITFunction):
+        return
+    raise RuntimeError(
+        "--attention-backend triton without a GPU runs Triton's interpreter, but Triton was imported before Kiln "
+        "could choose it: start with TRITON_INTERPRET=1"
+    )
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(1, n) - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, K, V, Table, Mask, MidO, MidLse, scale,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_mb,
+        width,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        kvh = h // GROUP
+        per_split = tl.cdiv(width, SPLITS)
+        start = s * per_split
+        end = tl.minimum(start + per_split, width)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(Q + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+        top = -float("inf")
+        total = 0.0
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            if HAS_MASK:
+                valid = valid & (tl.load(Mask + b * stride_mb + n, mask=valid, other=0) != 0)
+            slot = tl.load(Table + b * stride_tb + n, mask=valid, other=0)
+            both = valid[:, None] & dmask[None, :]
+            k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=both, other=0.0)
+            score = tl.sum(q[None, :] * k.to(tl.float32), 1) * scale
+            score = tl.where(valid, score, -float("inf"))
+            new_top = tl.maximum(top, tl.max(score, 0))
+            # a chunk with no valid slot so far keeps top at -inf: shift by 0 then, not by -inf
+            shift = tl.where(new_top == -float("inf"), 0.0, new_top)
+            p = tl.exp(score - shift)
+            alpha = tl.exp(top - shift)
+            v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=both, other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+            total = total * alpha + tl.sum(p, 0)
+            top = new_top
+        row = (b * tl.num_programs(1) + h) * SPLITS + s
+        safe = tl.where(total > 0, total, 1.0)
+        tl.store(MidO + row * BLOCK_D + d, acc / safe)
+        tl.store(MidLse + row, tl.where(total > 0, top + tl.log(safe), -float("inf")))
+
+    @triton.jit
+    def _decode_merge_kernel(
+        MidO, MidLse, Out, stride_ob, stride_oh,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        row0 = (b * tl.num_programs(1) + h) * SPLITS
+        s = tl.arange(0, SPLITS_P2)
+        d = tl.arange(0, BLOCK_D)
+        lse = tl.load(MidLse + row0 + s, mask=s < SPLITS, other=-float("inf"))
+        top = tl.max(lse, 0)
+        top = tl.where(top == -float("inf"), 0.0, top)
+        w = tl.exp(lse - top)
+        parts = tl.load(
+            MidO + (row0 + s[:, None]) * BLOCK_D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0
+        )
+        total = tl.sum(w, 0)
+        out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
+
+    @triton.jit
+    def _extend_kernel(
+        Q, Knew, Vnew, Out, K, V, PrefixSlots, PrefixStart, PrefixLen, ExtStart, ExtLen, scale,
+        stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
+        stride_ks, stride_kh, stride_vs, stride_vh,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        blk = tl.program_id(2)
+        kvh = h // GROUP
+        ext = tl.load(ExtLen + r)
+        if blk * BLOCK_M >= ext:
+            return
+        first = tl.load(ExtStart + r)
+        prefix = tl.load(PrefixLen + r)
+        slots0 = tl.load(PrefixStart + r)
+        m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        mvalid = m < ext
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(
+            Q + (first + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+            mask=mvalid[:, None] & dmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        top = tl.full([BLOCK_M], -float("inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # the cached prefix, through its slots in the pool: every new token sees all of it
+        for n0 in range(0, prefix, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nvalid = n < prefix
+            slot = tl.load(PrefixSlots + slots0 + n, mask=nvalid, other=0)
+            both = nvalid[:, None] & dmask[None, :]
+            k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=both, other=0.0)
+            v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=both, other=0.0)
+            score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            score = tl.where(nvalid[None, :], score, -float("inf"))
+            top, total, acc = _online_softmax_step(score, v, top, total, acc)
+        # the request's own new tokens, causally, as computed (the pool's rounding is for later steps)
+        for n0 in range(0, (blk + 1) * BLOCK_M, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nvalid = n < ext
+            both = nvalid[:, None] & dmask[None, :]
+            rows = first + n
+            k = tl.load(
+                Knew + rows[:, None] * stride_knt + kvh * stride_knh + d[None, :], mask=both, other=0.0
+            )
+            v = tl.load(
+                Vnew + rows[:, None] * stride_vnt + kvh * stride_vnh + d[None, :], mask=both, other=0.0
+            )
+            score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            keep = nvalid[None, :] & (n[None, :] <= m[:, None])
+            score = tl.where(keep, score, -float("inf"))
+            top, total, acc = _online_softmax_step(score, v, top, total, acc)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(
+            Out + (first + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=mvalid[:, None] & dmask[None, :],
+        )
+
+    @triton.jit
+    def _online_softmax_step(score, v, top, total, acc):
+        """One block of scores [M, N] and values [N, D] folded into the running max, sum and weighted sum."""
+        new_top = tl.maximum(top, tl.max(score, 1))
+        shift = tl.where(new_top == -float("inf"), 0.0, new_top)
+        p = tl.exp(score - shift[:, None])
+        alpha = tl.exp(top - shift)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        total = total * alpha + tl.sum(p, 1)
+        return new_top, total, acc
+
+
+def decode_splits(width: int, max_splits: int = 8, per_split: int = 256) -> int:
+    """How many chunks a decode row's KV is cut into: one per `per_split` slots of the table, at most
+    max_splits (SGLang's --triton-attention-num-kv-splits defaults to 8)."""
+    return max(1, min(max_splits, -(-width // per_split)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    splits: int,
+) -> torch.Tensor:
+    """q [B, Hq, D] over each row's KV slots `table` [B, L] (valid where `mask` [B, L], all when None) in the pool
+    k_cache / v_cache [S, Hk, D] -> [B, Hq, D] in q's dtype."""
+    b, hq, dim = q.shape
+    hk = k_cache.shape[1]
+    block_d = _pow2(dim)
+    mid_o = torch.empty(b, hq, splits, block_d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    has_mask = mask is not None
+    mask_arg = mask.to(torch.int8) if has_mask else table
+    _decode_split_kernel[(b, hq, splits)](
+        q, k_cache, v_cache, table, mask_arg, mid_o, mid_lse, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        table.stride(0), mask_arg.stride(0), table.shape[1],
+        GROUP=hq // hk, D=dim, BLOCK_D=block_d, BLOCK_N=32, SPLITS=splits, HAS_MASK=has_mask,
+    )  # fmt: skip
+    _decode_merge_kernel[(b, hq)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1),
+        D=dim, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=_pow2(splits),
+    )  # fmt: skip
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_slots: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    ext_start: torch.Tensor,
+    ext_lens: torch.Tensor,
+    max_ext: int,
+    scale: float,
+) -> torch.Tensor:
+    """Each request's new tokens (rows ext_start[r] .. + ext_lens[r] of q [T, Hq, D], k, v [T, Hk, D]) over its
+    cached prefix (pool slots prefix_slots[prefix_start[r] .. + prefix_lens[r]]) and themselves, causally ->
+    [T, Hq, D] in q's dtype."""
+    t, hq, dim = q.shape
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    block_m = 32
+    grid = (ext_lens.shape[0], hq, -(-max_ext // block_m))
+    _extend_kernel[grid](
+        q, k, v, out, k_cache, v_cache, prefix_slots, prefix_start, prefix_lens, ext_start, ext_lens, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        GROUP=hq // k.shape[1], D=dim, BLOCK_D=_pow2(dim), BLOCK_M=block_m, BLOCK_N=32,
+    )  # fmt: skip
+    return out

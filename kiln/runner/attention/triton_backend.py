@@ -1,0 +1,81 @@
+"""Attention over the paged KV pool with Kiln's Triton kernels (kiln.layers.triton_attention): decode split-K over
+each request's KV table, extend over each request's cached prefix and its own new tokens, all requests of a step in
+one launch. `--attention-backend triton`; on CUDA the kernels compile for the GPU, elsewhere they run in Triton's
+interpreter (TRITON_INTERPRET=1), which is how the CPU tests check them."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from kiln.core.forward_batch import AttentionMetadata, ExtendSpans, ForwardBatch, ForwardMode
+from kiln.layers import triton_attention
+from kiln.memory.kv_pool import KVPool
+from kiln.runner.attention.base import AttentionBackend
+
+# SGLang's --triton-attention-num-kv-splits default: the most chunks a decode row's KV is cut into
+MAX_KV_SPLITS = 8
+# a chunk of at least this many slots before a row is cut into more
+SLOTS_PER_SPLIT = 256
+
+
+class TritonBackend(AttentionBackend):
+    """Decode reads each request's KV table row in place; extend reads each request's prefix slots in place and
+    its new tokens as computed."""
+
+    def __init__(self, kv_pool: KVPool, q_heads: int):
+        if not triton_attention.available():
+            raise ValueError("--attention-backend triton needs Triton: `pip install triton`")
+        triton_attention.check_runnable()
+        super().__init__(kv_pool, q_heads)
+
+    def prepare_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
+        if fb.mode == ForwardMode.DECODE:
+            width = fb.kv_table.shape[1]
+            return AttentionMetadata(
+                kv_splits=triton_attention.decode_splits(width, MAX_KV_SPLITS, SLOTS_PER_SPLIT)
+            )
+        device = fb.input_ids.device
+        prefixes = [slots[:prefix] for slots, prefix in zip(fb.seq_slots, fb.prefix_lens)]
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        spans = ExtendSpans(
+            prefix_slots=torch.cat(prefixes) if prefixes else ints([]),
+            prefix_start=ints(list(accumulate(fb.prefix_lens, initial=0))[:-1]),
+            prefix_lens=ints(fb.prefix_lens),
+            ext_start=ints(list(accumulate(fb.extend_lens, initial=0))[:-1]),
+            ext_lens=ints(fb.extend_lens),
+            max_ext=max(fb.extend_lens, default=0),
+        )
+        return AttentionMetadata(spans=spans)
+
+    def graph_metadata(self, shared_prefix: int | torch.Tensor = 0) -> AttentionMetadata:
+        """A captured step's rows are cut into the most chunks: the table's width is not known at capture."""
+        return AttentionMetadata(kv_splits=MAX_KV_SPLITS)
+
+    def decode(
+        self, layer: int, q: torch.Tensor, fb: ForwardBatch, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        b, width = fb.kv_table.shape
+        mask = fb.kv_mask.reshape(b, width) if fb.kv_mask is not None else None
+        k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        return triton_attention.decode_attention(q, k, v, fb.kv_table, mask, scale, meta.kv_splits)
+
+    def extend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        s = meta.spans
+        return triton_attention.extend_attention(
+            q, k, v, self.kv_pool.k[layer], self.kv_pool.v[layer], s.prefix_slots, s.prefix_start,
+            s.prefix_lens, s.ext_start, s.ext_lens, s.max_ext, scale,
+        )  # fmt: skip
