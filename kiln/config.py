@@ -147,6 +147,13 @@ class ServerArgs:
     watchdog_timeout: float = _f(300.0, "seconds a forward step or startup phase may make no progress")
     log_level: str = _f("info", "logging level")
     log_requests: bool = _f(False, "log every request")
+    load_format: str = _f(
+        "auto",
+        "auto | safetensors | gguf: what the model path holds (FP8 block-quantized safetensors dequantized) | "
+        "dummy: random weights (SGLang's dummy loader: uniform in ±1e-3, seeded), only the directory's "
+        "config.json and tokenizer read, to measure a model without its checkpoint",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+    )
     attention_backend: str | None = _f(
         None,
         "attention kernels (default: Kiln chooses: its CPU kernel on the CPU under float32 compute, torch SDPA "

@@ -126,12 +126,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         agreeing=("on",),
     ),
     *_group(
-        "Kiln loads what the model path holds: *.safetensors (FP8 block-quantized ones dequantized), or a "
-        "GGUF file",
-        values="--load-format",
-        agreeing=("auto", "safetensors", "gguf"),
-    ),
-    *_group(
         "Kiln quantizes nothing at load but --quantization int8 (CPU): it serves the checkpoint's own weights "
         "(GGUF blocks kept on the CPU, FP8 blocks dequantized)",
         switches="--quantize-and-serve",
@@ -653,10 +647,19 @@ SGLANG_NATIVE_FLAGS: tuple[str, ...] = tuple(
     "--reasoning-parser --tool-call-parser --disable-cuda-graph --mamba-full-memory-ratio "
     "--max-mamba-cache-size --mamba-track-interval --quantization --speculative-algorithm "
     "--speculative-draft-model-path --speculative-draft-model --speculative-num-steps "
-    "--speculative-eagle-topk --speculative-num-draft-tokens --attention-backend".split()
+    "--speculative-eagle-topk --speculative-num-draft-tokens --attention-backend --load-format".split()
 )
 
 FOREIGN_VALUES: tuple[ForeignValue, ...] = (
+    ForeignValue(
+        "--load-format",
+        tuple(
+            "pt npcache sharded_state bitsandbytes layered jax remote remote_instance fastsafetensors "
+            "private mistral flash_rl".split()
+        ),
+        "Kiln loads what the model path holds: *.safetensors (FP8 block-quantized ones dequantized), or a "
+        "GGUF file",
+    ),
     ForeignValue(
         "--attention-backend",
         tuple(

@@ -44,6 +44,17 @@ def iter_weights(cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     return iter_safetensors(cfg.model_path)
 
 
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter uniform in [-1e-3, 1e-3], as SGLang's dummy loader draws them, from one seeded generator:
+    a model of any size to measure without its checkpoint (a load reads nothing), the same weights every time."""
+    params = dict(model.named_parameters())  # shared (tied) parameters once
+    generators: dict[torch.device, torch.Generator] = {}
+    for p in params.values():
+        gen = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        p.uniform_(-1e-3, 1e-3, generator=gen)
+
+
 def materialize(model: torch.nn.Module, device: str) -> None:
     """Replace each `meta` parameter by an empty one on `device`, keeping its attributes (weight_loader)
     and its sharing (tied embeddings)."""
@@ -100,17 +111,27 @@ def load_model(
     max_positions: int,
     on_progress=None,
     prepack: bool = False,
+    dummy: bool = False,
 ) -> LoadedModel:
-    """Build the model on meta, materialize it and load every weight; checks nothing was missed."""
+    """Build the model on meta, materialize it and load every weight; checks nothing was missed. dummy
+    (--load-format dummy): random weights instead, nothing read but the config."""
+    if dummy and cfg.is_gguf:
+        raise ValueError(
+            f"--load-format dummy builds a model from a config.json, and {cfg.model_path} is a GGUF file: give a "
+            "model directory (its config.json and tokenizer; no weights needed) or --load-format auto"
+        )
     t0 = time.perf_counter()
     model = build_materialized(model_class(cfg.architecture), cfg, dtype, device)
-    loaded = model.load_weights(_reporting(iter_weights(cfg), on_progress))
-    expected = {n for n, _ in model.named_parameters()}
-    missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    if missing:
-        raise ValueError(
-            f"checkpoint {cfg.model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-        )
+    if dummy:
+        init_dummy_weights(model)
+    else:
+        loaded = model.load_weights(_reporting(iter_weights(cfg), on_progress))
+        expected = {n for n, _ in model.named_parameters()}
+        missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+        if missing:
+            raise ValueError(
+                f"checkpoint {cfg.model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+            )
     model.init_buffers(max_positions, device)
     prepacked, formats = 0, {}
     if prepack:

@@ -50,9 +50,11 @@ class ModelRunner:
     def _avail(self) -> str:
         return gib(available_memory_bytes(self.device))
 
-    def load(self, max_positions: int, on_progress=None, prepack: bool = True) -> None:
+    def load(self, max_positions: int, on_progress=None, prepack: bool = True, dummy: bool = False) -> None:
         logger.info(f"Load weight begin. avail mem={self._avail()}")
-        loaded = load_model(self.model_config, self.dtype, self.device, max_positions, on_progress, prepack)
+        loaded = load_model(
+            self.model_config, self.dtype, self.device, max_positions, on_progress, prepack, dummy
+        )
         self.model = loaded.model
         params = dict(self.model.named_parameters())  # shared (tied) parameters once
         head_copy = params.pop("lm_head.packed_weight", None)

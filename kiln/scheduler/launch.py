@@ -162,14 +162,14 @@ def _load_runner(
         model_config, torch_dtype(inputs.dtype), kv_torch_dtype(inputs.kv_cache_dtype), inputs.device
     )
     runner.attention_backend = args.attention_backend
-    if (
-        args.attention_backend == "triton"
-    ):  # Triton in before the load imports it (it picks its interpreter then)
+    if args.attention_backend == "triton":
+        # Triton before the load, which may import it (it picks its interpreter when first imported)
         import kiln.layers.triton_attention  # noqa: F401
     runner.load(
         max(ledger.context_len, model_config.max_position_embeddings) + 8,
         on_progress=lambda info: phase("progress", info),
         prepack=not args.disable_weight_prepack,
+        dummy=args.load_format == "dummy",
     )
     phase("allocating_kv", {})
     sizes = PoolSizes(
