@@ -126,9 +126,10 @@ def test_a_model_served_with_the_triton_backend_gives_transformers_tokens(tiny_l
     """--attention-backend triton end to end (eager steps) on a random tiny Llama: prompts alone, batched (one
     extend launch for several requests, decode rows of different lengths), a radix hit (an extend on a cached
     prefix) and chunked prefill, token for token as transformers' float32 greedy decoding."""
+    from test_correctness import hf_greedy, load_hf
+
     import kiln
     from kiln.runner.attention.triton_backend import TritonBackend
-    from test_correctness import hf_greedy, load_hf
 
     hf = load_hf(tiny_llama)
     common = [
