@@ -164,6 +164,12 @@ def int8_kernels(mode: str) -> bool:
     return check_cpu_gemm(mode) != "onednn" and cpu_runs_kiln_kernel()
 
 
+def attention_interpreted(device: str, attention_backend: str | None) -> bool:
+    """Whether attention runs in Triton's interpreter (--attention-backend triton without a GPU): steps then run
+    eagerly, as torch.compile cannot trace the interpreter."""
+    return device == "cpu" and attention_backend == "triton"
+
+
 def integer_compute(mode: str) -> bool:
     """Whether --cpu-gemm `mode` multiplies quantized weights with integer arithmetic (auto, kiln)."""
     return check_cpu_gemm(mode) in ("auto", "kiln")

@@ -191,9 +191,9 @@ if triton is not None:
         return new_top, total, acc
 
 
-def decode_splits(width: int, max_splits: int = 8, per_split: int = 256) -> int:
+def decode_splits(width: int, max_splits: int, per_split: int) -> int:
     """How many chunks a decode row's KV is cut into: one per `per_split` slots of the table, at most
-    max_splits (SGLang's --triton-attention-num-kv-splits defaults to 8)."""
+    max_splits."""
     return max(1, min(max_splits, -(-width // per_split)))
 
 
@@ -215,7 +215,7 @@ def decode_attention(
     mid_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     has_mask = mask is not None
-    mask_arg = mask.to(torch.int8) if has_mask else table
+    mask_arg = mask if has_mask else table
     _decode_split_kernel[(b, hq, splits)](
         q, k_cache, v_cache, table, mask_arg, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

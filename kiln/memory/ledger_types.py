@@ -95,9 +95,8 @@ class LedgerInputs:
             cuda_graph_bs=args.cuda_graph_bs,
             cuda_graph_max_bs_prefill=args.cuda_graph_max_bs_prefill,
             cuda_graph_bs_prefill=args.cuda_graph_bs_prefill,
-            # Triton's interpreter (--attention-backend triton on the CPU) runs eagerly: torch.compile cannot trace it
             disable_cuda_graph=args.disable_cuda_graph
-            or (device == "cpu" and args.attention_backend == "triton"),
+            or platform.attention_interpreted(device, args.attention_backend),
             disable_prefill_graph=args.disable_prefill_graph,
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_size_gb=args.hicache_size,

@@ -36,13 +36,21 @@ class PoolSizes:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        device: str,
+        attention_backend: str | None = None,
+    ):
+        """attention_backend: --attention-backend (None: Kiln chooses for the pool)."""
         self.model_config = model_config
         self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, device
         self.measured: dict[str, int] = {}
         self.graphs = None  # a GraphRunner once decode graphs were captured
         self.attn_backend: AttentionBackend | None = None  # chosen with the KV pool it reads
-        self.attention_backend: str | None = None  # --attention-backend (None: Kiln's choice)
+        self.attention_backend = attention_backend
         self.state_pool: StatePool | None = None  # hybrid models' linear-layer states
         self.last_forward_graph = False
         self.last_hidden: torch.Tensor | None = None  # the last forward's [rows, width], if kept

@@ -14,6 +14,7 @@ import torch
 import kiln.core.sharding as sharding
 import kiln.distributed as distributed
 import kiln.memory.storage_tier as storage_tier
+import kiln.platform as platform
 from kiln.config import ServerArgs
 from kiln.core.dtypes import kv_torch_dtype, torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
@@ -159,9 +160,12 @@ def _load_runner(
     inputs, ledger = plan.inputs, plan.ledger
     set_cpu_gemm(args.cpu_gemm, args.quantization)  # this load's weights are packed for the --cpu-gemm kernel
     runner = ModelRunner(
-        model_config, torch_dtype(inputs.dtype), kv_torch_dtype(inputs.kv_cache_dtype), inputs.device
+        model_config,
+        torch_dtype(inputs.dtype),
+        kv_torch_dtype(inputs.kv_cache_dtype),
+        inputs.device,
+        args.attention_backend,
     )
-    runner.attention_backend = args.attention_backend
     if args.attention_backend == "triton":
         # Triton before the load, which may import it (it picks its interpreter when first imported)
         import kiln.layers.triton_attention  # noqa: F401
@@ -186,7 +190,7 @@ def _load_runner(
 def _start_graphs(
     runner: ModelRunner, ledger: Ledger, args: ServerArgs, phase: OnPhase, spec: SpecDecoder | None
 ) -> None:
-    if runner.device == "cpu" and args.attention_backend == "triton" and not args.disable_cuda_graph:
+    if platform.attention_interpreted(runner.device, args.attention_backend) and not args.disable_cuda_graph:
         logger.info(
             "Steps run eagerly: Triton's interpreter (--attention-backend triton on the CPU) is not compiled."
         )
