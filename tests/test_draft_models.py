@@ -538,3 +538,28 @@ def test_the_ledger_counts_the_draft(target_dir: Path, target: ModelRunner) -> N
     pool = drafter.runner.kv_pool
     assert pool.num_tokens <= POOL  # never more tokens than the ledger's pool counts the draft's bytes for
     assert (pool.k_bytes + pool.v_bytes) // (pool.num_tokens + pool.page_size) == draft_cell
+
+
+def test_drafts_read_the_kv_with_the_targets_attention_backend(
+    target_dir: Path, engine_plain, tmp_path
+) -> None:
+    """--attention-backend reaches the draft's runner as well as the target's: a draft model and an EAGLE-3 head
+    both attend with the Triton kernels (here in Triton's interpreter), and the output stays the plain one."""
+    import kiln
+    from kiln.runner.attention.triton_backend import TritonBackend
+
+    head = save_head(tmp_path / "head3", target_dir, eagle3=True)
+    for spec in (
+        {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(target_dir)},
+        {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": head},
+    ):
+        eng = kiln.Engine(model_path=str(target_dir), attention_backend="triton", **ENGINE_ARGS, **spec)
+        try:
+            backends = [eng.scheduler.runner.attn_backend, eng.scheduler.spec.drafter.runner.attn_backend]
+            assert all(isinstance(b, TritonBackend) for b in backends), backends
+            params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+            # two prompts: the interpreter is slow
+            out = eng.generate(input_ids=ENGINE_PROMPTS[:2], sampling_params=params)
+            assert [o["output_ids"] for o in out] == engine_plain[:2]
+        finally:
+            eng.shutdown()

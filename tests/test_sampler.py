@@ -256,8 +256,8 @@ def test_wide_vocab_draw_matches_probabilities_and_skips_zero_weights():
     w[:, 5] = 1.0
     w[1, 8000] = 1e-3
     u = torch.tensor([1.0 - 2**-24, 1.0 - 2**-24])
-    assert sampler._draw(w, u).tolist() == [5, 8000]
-    assert sampler._draw(w[:, :100], u).tolist() == [5, 5]
+    assert sampler.draw(w, u).tolist() == [5, 8000]
+    assert sampler.draw(w[:, :100], u).tolist() == [5, 5]
 
 
 def test_probe_and_exact_paths_agree(monkeypatch):

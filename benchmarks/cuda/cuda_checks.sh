@@ -11,8 +11,8 @@ python3 -c "import torch,transformers;print(torch.__version__, transformers.__ve
 echo "=== CUDA tests"; date
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graphs.py tests/test_allocator.py -rA -s 2>&1 | tail -c 20000 > $OUT/cuda_tests.log
 tail -c 3000 $OUT/cuda_tests.log
-echo "=== Triton attention kernels, compiled for the GPU (the CPU runs them in Triton's interpreter)"; date
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -rA 2>&1 | tail -c 8000 > $OUT/triton_tests.log
+echo "=== Triton attention and fused kernels compiled for the GPU (the CPU runs them in Triton's interpreter); the device sampler"; date
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_fused.py tests/test_device_sampler.py -rA 2>&1 | tail -c 8000 > $OUT/triton_tests.log
 tail -c 2000 $OUT/triton_tests.log
 echo "=== random SmolLM2-shape model"; date
 timeout 40 python3 benchmarks/cuda/make_random_smollm.py /tmp/smol .devcarry/tiny-llama 2>&1 | tail -2

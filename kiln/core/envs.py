@@ -11,6 +11,11 @@ from dataclasses import dataclass
 # that the front's handling of a dead or silent engine can be tested end to end. "crash:<phase>" | "stall:<phase>",
 # with "@<rank>" to hit one tensor-parallel rank alone ("crash:loading_weights@1"; rank 0 without it).
 KILN_FAULT = "KILN_FAULT"
+# Where Kiln's fused Triton kernels (RMSNorm with the residual add, SiLU-and-multiply, rotary) serve half-precision
+# activations: "auto" on CUDA; "all" on the CPU too, in Triton's interpreter (the tests' hook); "off" nowhere, torch's
+# own ops everywhere (the A/B benchmark's and the tests' reference).
+KILN_TRITON_FUSED = "KILN_TRITON_FUSED"
+TRITON_FUSED_MODES = ("auto", "all", "off")
 # inductor's own on-disk cache directory; the default for --compile-cache-dir when set.
 TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -42,3 +47,10 @@ def fault() -> Fault | None:
 
 def inductor_cache_dir() -> str | None:
     return os.environ.get(TORCHINDUCTOR_CACHE_DIR) or None
+
+
+def triton_fused() -> str:
+    raw = os.environ.get(KILN_TRITON_FUSED, "auto")
+    if raw not in TRITON_FUSED_MODES:
+        raise EnvError(f"{KILN_TRITON_FUSED}={raw!r}: expected one of {', '.join(TRITON_FUSED_MODES)}")
+    return raw

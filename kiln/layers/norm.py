@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.layers import fused
 from kiln.layers.cpu_gemm import cpu_rms_norm
 
 
@@ -23,7 +24,19 @@ class RMSNorm(nn.Module):
             if kernel is not None:
                 return kernel(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        kernels = fused.kernels(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, the norm of that sum): the residual stream's add and the norm after it, one kernel where
+        the fused kernels serve x."""
+        kernels = fused.kernels(x)
+        if kernels is not None:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        total = residual + x
+        return total, self(total)

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.layers import fused
+
 # rope types whose cos/sin table is fixed at startup; dynamic and longrope change with the sequence length, which
 # the one table built at startup cannot follow
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -65,6 +67,9 @@ class RotaryEmbedding(nn.Module):
 
     def apply(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]."""
+        kernels = fused.kernels(x)
+        if kernels is not None:
+            return kernels.rotary(x, cos_sin)
         return x * cos_sin[0] + torch.roll(x, self.half, dims=-1) * cos_sin[1]
 
 

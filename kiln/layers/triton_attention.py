@@ -12,35 +12,11 @@ Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) on CPU 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-# no GPU: the kernels run in Triton's interpreter, which must be chosen before they are decorated
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kiln.layers.triton_import import available, check_runnable, tl, triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # kiln runs without Triton; --attention-backend triton then says how to get it
-    triton = None
-
-
-def available() -> bool:
-    return triton is not None
-
-
-def check_runnable() -> None:
-    """Raises where these kernels cannot run: without a GPU they need Triton's interpreter, which is chosen when
-    Triton is first imported (importing a transformers model class imports it too), so a process that imported it
-    before Kiln could choose must be started with TRITON_INTERPRET=1."""
-    if torch.cuda.is_available() or not isinstance(tl.zeros, triton.runtime.jit.JITFunction):
-        return
-    raise RuntimeError(
-        "--attention-backend triton without a GPU runs Triton's interpreter, but Triton was imported before Kiln "
-        "could choose it: start with TRITON_INTERPRET=1"
-    )
+__all__ = ["available", "check_runnable", "decode_attention", "decode_splits", "extend_attention"]
 
 
 def _pow2(n: int) -> int:

@@ -153,8 +153,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(h), cos_sin, rotary)
 
     def after_attention(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn.o_proj(attn_out)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.add_forward(self.self_attn.o_proj(attn_out), h)
+        return h + self.mlp(normed)
 
     def forward(self, cos_sin, h: torch.Tensor, fb: ForwardBatch, rotary, attn, pieces: Pieces | None = None):
         before = pieces.before if pieces else DeepseekV3DecoderLayer.before_attention

@@ -34,6 +34,10 @@ __all__ = [
     "target_probs",
     "is_plain_greedy",
     "logprobs_of",
+    "draw",
+    "filter_mask",
+    "row_uniform",
+    "wants_logprobs",
 ]
 
 
@@ -55,7 +59,7 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
-def _wants_logprobs(p: SamplingParams) -> bool:
+def wants_logprobs(p: SamplingParams) -> bool:
     return bool(p.logprobs) or p.top_logprobs_num > 0
 
 
@@ -67,7 +71,7 @@ def _needs_processing(row: SamplingRow) -> bool:
 def is_plain_greedy(row: SamplingRow) -> bool:
     """A greedy row whose token is the plain argmax of its logits: nothing to process, no logprobs."""
     p = row.params
-    return p.is_greedy and not _needs_processing(row) and not _wants_logprobs(p)
+    return p.is_greedy and not _needs_processing(row) and not wants_logprobs(p)
 
 
 def argmax_ids(logits: torch.Tensor) -> list[int]:
@@ -152,7 +156,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     return out
 
 
-def _uniform(row: SamplingRow) -> torch.Tensor:
+def row_uniform(row: SamplingRow) -> torch.Tensor:
     """One U[0, 1) draw from the row's generator (the default one when it has none), as a CPU scalar."""
     g = row.generator
     if g is None:
@@ -167,7 +171,7 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
 
 
-def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: weights [N, L] (unnormalised, >= 0), u [N] uniforms -> positions [N].
 
     Wide rows use two levels (block sums, then one block's cumsum): a full-row cumsum is a slow scan on CPU.
@@ -217,7 +221,7 @@ def _draw_filtered(w: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> int:
     if total is not None:
         before = vals.cumsum(0) - vals
         vals = vals[: max(1, int((before < p.top_p * total).sum()))]
-    pos = _draw(vals.unsqueeze(0), u.view(1))
+    pos = draw(vals.unsqueeze(0), u.view(1))
     return int(ids[pos[0]])
 
 
@@ -230,19 +234,16 @@ def _probe_width(p: SamplingParams, vocab: int) -> int:
     return min(vocab, k if TOPK_PROBE < k <= 16 * TOPK_PROBE else TOPK_PROBE)
 
 
-def _filter_mask(
-    vals: torch.Tensor, total: torch.Tensor, rows: Sequence[SamplingRow], vocab: int
+def filter_mask(
+    vals: torch.Tensor, total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's top-k / top-p / min-p over its best weights `vals` [N, W] (sorted, largest first; `total` the
-    row's whole mass): independent masks, the most likely token always kept. Also, per row, whether the
-    filters end within these W candidates (always, for W = V)."""
-    dev, dt, width = vals.device, vals.dtype, vals.shape[-1]
-    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=dev)
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dt, device=dev)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dt, device=dev)
+    row's whole mass; top_k [N] is V where a row keeps every token): independent masks, the most likely token
+    always kept. Also, per row, whether the filters end within these W candidates (always, for W = V)."""
+    width = vals.shape[-1]
     mass = (total * top_p).masked_fill_(top_p >= 1.0, float("inf")).unsqueeze(-1)
     cum = vals.cumsum(-1)
-    keep = torch.arange(width, device=dev) < top_k.unsqueeze(-1)
+    keep = torch.arange(width, device=vals.device) < top_k.unsqueeze(-1)
     keep &= (cum - vals) < mass
     keep &= vals >= min_p.unsqueeze(-1)
     keep[:, 0] = True
@@ -250,11 +251,20 @@ def _filter_mask(
     return keep, complete
 
 
+def _row_filters(rows: Sequence[SamplingRow], vocab: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows' (top_k, top_p, min_p) as tensors for filter_mask, on `like`'s device and in its dtype."""
+    dev, dt = like.device, like.dtype
+    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dt, device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dt, device=dev)
+    return top_k, top_p, min_p
+
+
 def _draw_probe(w: torch.Tensor, rows: list[SamplingRow], u: torch.Tensor, width: int) -> list[int | None]:
     """Filtered draws over each row's `width` best candidates; None where the filters reach past them."""
     vals, ids = w.topk(width, dim=-1)
-    keep, complete = _filter_mask(vals, w.sum(-1), rows, w.shape[-1])
-    picked = ids.gather(1, _draw(vals * keep, u).unsqueeze(-1)).squeeze(-1)
+    keep, complete = filter_mask(vals, w.sum(-1), *_row_filters(rows, w.shape[-1], vals))
+    picked = ids.gather(1, draw(vals * keep, u).unsqueeze(-1)).squeeze(-1)
     return [tid if ok else None for tid, ok in zip(picked.tolist(), complete.tolist(), strict=True)]
 
 
@@ -264,7 +274,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     temp = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
     x = logits - logits.amax(-1, keepdim=True)
     w = x.div_(temp.unsqueeze(-1)).exp_()  # unnormalised probs, max exactly 1
-    u = torch.stack([_uniform(r) for r in rows])
+    u = torch.stack([row_uniform(r) for r in rows])
     out: list[int | None] = [None] * len(rows)
     groups: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
@@ -275,7 +285,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         sel = torch.tensor(idx, device=dev)
         w_g, u_g = (w, u) if len(idx) == len(rows) else (w[sel], u[sel])
         if width == 0:
-            got = _draw(w_g, u_g).tolist()
+            got = draw(w_g, u_g).tolist()
         else:
             got = _draw_probe(w_g, [rows[i] for i in idx], u_g, width)
         for i, tid in zip(idx, got, strict=True):
@@ -332,7 +342,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         for i, tid in zip(sampled, _sample_rows(rows_s, [rows[i] for i in sampled]), strict=True):
             chosen[i] = tid
     out = SampleOutput(chosen, [None] * n, [None] * n)
-    lp_idx = [i for i, r in enumerate(rows) if _wants_logprobs(r.params)]
+    lp_idx = [i for i, r in enumerate(rows) if wants_logprobs(r.params)]
     if lp_idx:
         _logprobs(logits, rows, lp_idx, chosen, out)
     return out
@@ -343,7 +353,7 @@ def _filtered_probs(w: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     above apply them (independent masks over the distribution sorted by weight, the most likely always kept),
     then normalised."""
     vals, order = w.sort(dim=-1, descending=True)
-    keep, _ = _filter_mask(vals, vals.sum(-1), rows, w.shape[-1])
+    keep, _ = filter_mask(vals, vals.sum(-1), *_row_filters(rows, w.shape[-1], vals))
     probs = torch.zeros_like(w).scatter_(-1, order, vals * keep)
     return probs / probs.sum(-1, keepdim=True)
 
@@ -374,7 +384,7 @@ def logprobs_of(logits: torch.Tensor, rows: list[SamplingRow], chosen: list[int]
     """The logprobs `sample` would report for tokens already chosen (by speculative verification), one per
     row of logits [len(rows), V]."""
     out = SampleOutput(list(chosen), [None] * len(rows), [None] * len(rows))
-    wanted = [i for i, r in enumerate(rows) if _wants_logprobs(r.params)]
+    wanted = [i for i, r in enumerate(rows) if wants_logprobs(r.params)]
     if wanted:
         _logprobs(logits, rows, wanted, list(chosen), out)
     return out

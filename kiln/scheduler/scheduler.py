@@ -21,8 +21,9 @@ from kiln.memory.prefix_cache import NoPrefixCache, PrefixCache
 from kiln.memory.radix_cache import RadixCache
 from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.memory.storage_tier import FileStorageTier
+from kiln.runner.device_sampler import sample_step
 from kiln.runner.model_runner import ModelRunner
-from kiln.runner.sampler import SamplingRow, sample
+from kiln.runner.sampler import SamplingRow
 from kiln.sampling_params import InvalidParam
 from kiln.scheduler.batch import build_decode, build_extend
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput, RequestCounters, SchedulerStats
@@ -442,7 +443,7 @@ class Scheduler:
             SamplingRow(r.params, r.generator, r.input_ids, r.output_ids, banned[i], masks.masks[i])
             for i, r in enumerate(reqs)
         ]
-        result = sample(logits, rows)
+        result = sample_step(logits, rows)
         next_ids = distributed.broadcast_token_ids(result.next_token_ids)  # rank 0's tokens on every rank
         for i, r in enumerate(reqs):
             self.out.append_token(r, next_ids[i], result.logprobs[i], result.top_logprobs[i])

@@ -453,7 +453,7 @@ def build_standalone_drafter(
         (target_cfg.model_path, target_cfg.vocab_size, target_tokenizer),
         (path, cfg.vocab_size, load_tokenizer(path)),
     )
-    runner = ModelRunner(cfg, target.dtype, target.kv_dtype, target.device)
+    runner = ModelRunner(cfg, target.dtype, target.kv_dtype, target.device, target.attention_backend)
     logger.info(f"Draft model {path}:")
     runner.load(max(sizes.context_len, cfg.max_position_embeddings) + 8, prepack=prepack)
     runner.init_memory_pool(draft_pool_sizes(sizes, num_steps, topk))

@@ -172,7 +172,8 @@ def build_eagle_drafter(
     attach_target(target.model, config, target_cfg.model_path)
     max_positions = max(sizes.context_len, target_cfg.max_position_embeddings) + 8
     head = load_head(path, target.model, target.dtype, target.device, max_positions)
-    runner = ModelRunner(ModelConfig.from_hf_dict(path, config), target.dtype, target.kv_dtype, target.device)
+    head_cfg = ModelConfig.from_hf_dict(path, config)
+    runner = ModelRunner(head_cfg, target.dtype, target.kv_dtype, target.device, target.attention_backend)
     runner.model = head
     shared = {id(p) for p in target.model.parameters()}
     runner.measured["weights"] = sum(p.nbytes for p in head.parameters() if id(p) not in shared)

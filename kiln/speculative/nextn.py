@@ -124,7 +124,9 @@ def build_nextn_drafter(
         )
     head.share_target(model)
     model.capture_hidden = "last"
-    runner = ModelRunner(replace(cfg, num_layers=1), target.dtype, target.kv_dtype, target.device)
+    runner = ModelRunner(
+        replace(cfg, num_layers=1), target.dtype, target.kv_dtype, target.device, target.attention_backend
+    )
     runner.model = head.eval()
     shared = {id(p) for p in model.parameters()}
     runner.measured["weights"] = sum(p.nbytes for p in head.parameters() if id(p) not in shared)

@@ -27,7 +27,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, q_heads: int):
         if not triton_attention.available():
             raise ValueError("--attention-backend triton needs Triton: `pip install triton`")
-        triton_attention.check_runnable()
+        triton_attention.check_runnable("--attention-backend triton")
         super().__init__(kv_pool, q_heads)
 
     def prepare_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
