@@ -271,6 +271,14 @@ class ServerArgs:
     )
     cuda_graph_bs_prefill: tuple[int, ...] | None = _f(None, "prefill token counts to capture")
     disable_cuda_graph: bool = _f(False, "run every step eagerly: no graphs (CUDA) or compiled steps (CPU)")
+    disable_overlap_schedule: bool = _f(
+        False, "schedule each decode step after the last one's tokens are in, not while the device runs it"
+    )
+    enable_overlap_schedule: bool = _f(
+        False,
+        "overlap scheduling with decode steps on the CPU too (on by default on CUDA only: on the CPU the forward "
+        "thread and the scheduler share the cores; docs/benchmarks.md)",
+    )
     disable_prefill_graph: bool = _f(
         False, "capture decode only; every prefill runs eagerly", aliases=("--disable-prefill-cuda-graph",)
     )

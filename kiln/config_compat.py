@@ -148,11 +148,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         values="--torch-compile-max-bs",
     ),
     *_group(
-        "Kiln's scheduler does not overlap scheduling with the device step: there is no overlap to disable",
-        switches="--disable-overlap-schedule",
-        agreeing=("on",),
-    ),
-    *_group(
         "Kiln has no request-log levels, formats or targets: --log-requests is its one switch",
         values="--log-requests-level --log-requests-format",
         lists="--log-requests-target",
@@ -647,7 +642,8 @@ SGLANG_NATIVE_FLAGS: tuple[str, ...] = tuple(
     "--reasoning-parser --tool-call-parser --disable-cuda-graph --mamba-full-memory-ratio "
     "--max-mamba-cache-size --mamba-track-interval --quantization --speculative-algorithm "
     "--speculative-draft-model-path --speculative-draft-model --speculative-num-steps "
-    "--speculative-eagle-topk --speculative-num-draft-tokens --attention-backend --load-format".split()
+    "--speculative-eagle-topk --speculative-num-draft-tokens --attention-backend --load-format "
+    "--disable-overlap-schedule".split()
 )
 
 FOREIGN_VALUES: tuple[ForeignValue, ...] = (

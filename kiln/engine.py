@@ -97,4 +97,6 @@ class Engine:
         return self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()  # the step in flight and the forward thread (overlap)
         self.scheduler = None  # type: ignore[assignment]

@@ -58,7 +58,6 @@ def test_a_launch_line_of_twenty_sglang_flags(parser):
         ("--trust-remote-code",),
         ("--enable-metrics",),
         ("--sampling-backend", "pytorch"),
-        ("--disable-overlap-schedule",),
         ("--log-requests-level", "1"),
         ("--enable-torch-compile",),
         (
@@ -68,11 +67,12 @@ def test_a_launch_line_of_twenty_sglang_flags(parser):
     )
     assert args.attention_backend is None  # Kiln chooses
     assert args.load_format == "auto"  # a flag Kiln implements
+    assert args.disable_overlap_schedule
     messages = config_compat.foreign_flag_messages(args.foreign_flags)
-    assert len(messages) == 7
+    assert len(messages) == 6
     warned = [line.split(":")[0] for level, line in messages if level == logging.WARNING]
     noted = [line.split(":")[0] for level, line in messages if level == logging.INFO]
-    # where Kiln already does what the flag asks (metrics served, no overlap, PyTorch sampling), the line is
+    # where Kiln already does what the flag asks (metrics served, PyTorch sampling), the line is
     # information, not a warning
     assert warned == [
         "SGLang flag --trust-remote-code",
@@ -83,7 +83,6 @@ def test_a_launch_line_of_twenty_sglang_flags(parser):
     assert noted == [
         "SGLang flag --enable-metrics",
         "SGLang flag --sampling-backend pytorch",
-        "SGLang flag --disable-overlap-schedule",
     ]
     assert "Kiln runs no code from the model repository" in messages[0][1]
 

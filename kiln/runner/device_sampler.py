@@ -59,9 +59,10 @@ class SamplingBatch:
     repetition: torch.Tensor  # float [N] (1: none)
     frequency: torch.Tensor  # float [N]
     presence: torch.Tensor  # float [N]
-    seen_ids: torch.Tensor  # int64 [N, L]: prompt + output ids, padded with V (the repetition penalty's); [0, 1]
-    output_ids: torch.Tensor  # int64 [N, L']: output ids, padded with V (frequency and presence); [0, 1] ...
-    # ... both, where no row has a penalty
+    # the penalties' ids, padded with V ([0, 1] where no row has a penalty): prompt + output (repetition), and
+    # output alone (frequency and presence)
+    seen_ids: torch.Tensor  # int64 [N, L]
+    output_ids: torch.Tensor  # int64 [N, L']
     bias_index: torch.Tensor  # int64 [B]: flat row * V + id
     bias_value: torch.Tensor  # float [B]
     banned_index: torch.Tensor  # int64 [K]: flat row * V + id

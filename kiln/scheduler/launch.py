@@ -291,7 +291,14 @@ def _scheduler(
         kv_storage=kv_storage(args, runner),
         spec=spec,
         mamba_track_interval=args.mamba_track_interval,
+        overlap=overlap_schedule(args, runner.device),
     )
+
+
+def overlap_schedule(args: ServerArgs, device: str) -> bool:
+    """Decode steps overlapped with scheduling: on CUDA unless --disable-overlap-schedule, on the CPU with
+    --enable-overlap-schedule."""
+    return not args.disable_overlap_schedule and (device != "cpu" or args.enable_overlap_schedule)
 
 
 def kv_storage(args: ServerArgs, runner: ModelRunner) -> FileStorageTier | None:

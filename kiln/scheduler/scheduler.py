@@ -23,12 +23,13 @@ from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.runner.device_sampler import sample_step
 from kiln.runner.model_runner import ModelRunner
-from kiln.runner.sampler import SamplingRow
+from kiln.runner.sampler import SampleOutput, SamplingRow
 from kiln.sampling_params import InvalidParam
 from kiln.scheduler.batch import build_decode, build_extend
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput, RequestCounters, SchedulerStats
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
+from kiln.scheduler.overlap import ForwardThread, InFlight, chainable, next_rows, plain_rows
 from kiln.scheduler.prefill import PrefillAdder
 from kiln.scheduler.req import Req
 from kiln.scheduler.spec_step import SpecDecoder
@@ -94,7 +95,9 @@ class Scheduler:
         grammar_backend: str = "llguidance",
         spec: SpecDecoder | None = None,
         mamba_track_interval: int = 256,
+        overlap: bool = False,
     ):
+        """overlap: run plain decode steps one ahead on a forward thread (kiln.scheduler.overlap)."""
         self.runner = runner
         self.tokenizer = tokenizer
         allocator = runner.allocator
@@ -142,6 +145,8 @@ class Scheduler:
         self._decode_tokens_since_log = 0
         self._decode_log_t0 = time.perf_counter()
         self._comm_logged = 0.0  # distributed.comm_seconds() at the last decode log
+        self.forward_thread = ForwardThread(self._forward_and_sample) if overlap else None
+        self.in_flight: InFlight | None = None  # the decode step launched and not yet processed (overlap)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, msg: GenerateReq) -> None:
@@ -194,6 +199,7 @@ class Scheduler:
             self.waiting.append(req)
 
     def abort(self, msg: AbortReq) -> None:
+        self._drain()
         targets = (
             list(self.reqs.values())
             if msg.abort_all
@@ -225,7 +231,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.grammar_queue)
+        return bool(self.waiting or self.running or self.chunked or self.grammar_queue or self.in_flight)
 
     def step(self) -> list[ReqOutput]:
         """One scheduling iteration; returns the outputs it produced. With several tensor-parallel ranks, rank 0's
@@ -233,6 +239,10 @@ class Scheduler:
         if distributed.tp_size() == 1:
             self._expire_deadlines()
         self._admit_compiled()
+        if self._chains():
+            self._overlap_decode()
+            return self.take_outputs()
+        self._drain()
         batch = None
         if not (self.last_was_prefill and self.running):
             batch = self._build_prefill()
@@ -252,7 +262,10 @@ class Scheduler:
         return out
 
     def _expire_deadlines(self) -> None:
-        for msg in self.expired_aborts():
+        expired = self.expired_aborts()
+        if expired:
+            self._drain()
+        for msg in expired:
             self._finish_abort(self.reqs[msg.rid], msg.message)
 
     def expired_aborts(self) -> list[AbortReq]:
@@ -360,8 +373,11 @@ class Scheduler:
         produced = self.spec.run(self) if self.spec is not None else None
         if produced is None:
             produced = self._decode_one_token()
-        if not produced:
-            return
+        if produced:
+            self._decoded(produced)
+
+    def _decoded(self, produced: int) -> None:
+        """A decode step's bookkeeping: the step count, the new-token ratio's decay, the decode log line."""
         self.counters.decode_steps += 1
         self.new_token_ratio = max(
             self.min_ratio,
@@ -443,7 +459,10 @@ class Scheduler:
             SamplingRow(r.params, r.generator, r.input_ids, r.output_ids, banned[i], masks.masks[i])
             for i, r in enumerate(reqs)
         ]
-        result = sample_step(logits, rows)
+        self._take_tokens(reqs, sample_step(logits, rows))
+
+    def _take_tokens(self, reqs: list[Req], result: SampleOutput) -> None:
+        """Each request's sampled token appended: the grammar advanced, stops checked, output streamed."""
         next_ids = distributed.broadcast_token_ids(result.next_token_ids)  # rank 0's tokens on every rank
         for i, r in enumerate(reqs):
             self.out.append_token(r, next_ids[i], result.logprobs[i], result.top_logprobs[i])
@@ -466,8 +485,98 @@ class Scheduler:
         self._finish(req)
 
     def _finish(self, req: Req) -> None:
-        self.kv.cache_finished(req)
+        if self.in_flight is None or all(r is not req for r in self.in_flight.reqs):
+            self.kv.cache_finished(req)
+        # else the step in flight still writes its extra row: its KV is cached when that step is in (_take_step)
         self._emit(req)
+
+    # ------------------------------------------------------------------ overlap (kiln.scheduler.overlap)
+    def _forward_and_sample(self, fb, rows: list[SamplingRow]) -> SampleOutput:
+        """A launched step, on the forward thread."""
+        return sample_step(self.runner.forward(fb), rows)
+
+    def _chains(self) -> bool:
+        """Whether this step is plain decode the forward thread can run one step ahead (the module says when)."""
+        return (
+            self.forward_thread is not None
+            and self.spec is None
+            and self.runner.state_pool is None
+            and distributed.tp_size() == 1
+            and not self.waiting
+            and self.chunked is None
+            and bool(self.running)
+            and all(chainable(r) for r in self.running)
+            and self.kv.decode_fits(len(self.running))
+        )
+
+    def _overlap_decode(self) -> None:
+        """Launch the next decode step, then process the one in flight while it runs."""
+        self.last_was_prefill = False
+        before, self.in_flight = self.in_flight, None
+        reqs = next_rows(self.running, before, self.limits.context_len)
+        slots = self.kv.alloc_decode(reqs) if reqs else None
+        if reqs and slots is None:  # no room after all: the step in flight is processed, then the plain path
+            self.in_flight = before
+            self._drain()
+            self._run_decode()
+            return
+        if reqs:
+            fb = build_decode(
+                reqs, self.kv.table, slots
+            )  # input ids of rows in flight: filled in by the thread
+            for r in reqs:
+                r.kv_len += 1
+            self.in_flight = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before)
+        if before is not None:
+            self._take_step(before)
+
+    def _take_step(self, step: InFlight) -> None:
+        """A launched step's tokens, taken in: rows of requests that ended meanwhile give back their extra slot."""
+        try:
+            result = step.tokens.result()
+        except Exception as e:
+            self._fail_steps(step, e)
+            return
+        live = []
+        for i, r in enumerate(step.reqs):
+            if r.finished:
+                self._cache_extra_row(r)
+            else:
+                live.append(i)
+        if live:
+            ids, logprobs, top = result.next_token_ids, result.logprobs, result.top_logprobs
+            picked = SampleOutput([ids[i] for i in live], [logprobs[i] for i in live], [top[i] for i in live])
+            self._take_tokens([step.reqs[i] for i in live], picked)
+            self._decoded(len(live))
+
+    def _cache_extra_row(self, req: Req) -> None:
+        """A request that ended (EOS, a stop) after the next step had been launched with it: that step's row is
+        dropped with its slot, and the request's KV is cached as at any finish."""
+        self.kv.trim(req, req.kv_len - 1, req.kv_len)
+        if req.table_idx is not None:
+            self.kv.cache_finished(req)
+
+    def _fail_steps(self, step: InFlight, exc: Exception) -> None:
+        """A launched step failed: the one launched after it fails with it (it waited on these tokens)."""
+        later, self.in_flight = self.in_flight, None
+        reqs = list(step.reqs)
+        if later is not None:
+            later.tokens.exception()  # wait for it to stop
+            reqs += [r for r in later.reqs if all(r is not x for x in reqs)]
+        for r in [r for r in reqs if r.finished]:
+            self._cache_extra_row(r)
+        self._fail_batch([r for r in reqs if not r.finished], exc)
+
+    def _drain(self) -> None:
+        """Process the step in flight, if any: afterwards the scheduler's state is that of the plain path."""
+        while self.in_flight is not None:
+            step, self.in_flight = self.in_flight, None
+            self._take_step(step)
+
+    def close(self) -> None:
+        self._drain()
+        if self.forward_thread is not None:
+            self.forward_thread.shutdown()
 
     def _emit(self, req: Req) -> None:
         self.reqs.pop(req.rid, None)
@@ -478,6 +587,10 @@ class Scheduler:
         self.outbox.append(self.out.flush_output(req))
 
     def fail_all(self, error: str) -> None:
+        try:
+            self._drain()
+        except Exception:  # failing everything anyway
+            self.in_flight = None
         for r in list(self.reqs.values()):
             self._finish_abort(r, "internal error", error=error)
 
@@ -581,6 +694,7 @@ class Scheduler:
         }
 
     def check_integrity(self) -> dict:
+        self._drain()
         report = self.kv.integrity(self.live_reqs())
         if not report["ok"]:
             self.integrity_violations += 1
