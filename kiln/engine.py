@@ -60,6 +60,7 @@ class Engine:
                 acc[o.rid].add(o)
                 if o.finished:
                     done[o.rid] = output_dict(acc[o.rid], t0)
+        self.scheduler.drain()  # the overlap's step in flight: the extra rows of requests that already ended
         return done
 
     def generate(

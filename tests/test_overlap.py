@@ -5,6 +5,9 @@ ended leaves no slot behind, and a step that fails fails its requests and no oth
 
 from __future__ import annotations
 
+import random
+import time
+
 import pytest
 
 import kiln
@@ -148,3 +151,117 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engines, monk
     assert overlap.check_integrity()["ok"]
     monkeypatch.setattr(runner, "forward", forward)
     assert outputs(overlap, [greedy] * 2, PROMPTS[:2]) == outputs(plain, [greedy] * 2, PROMPTS[:2])
+
+
+def steps_until(sched, done, limit: int = 60) -> list:
+    """Steps the scheduler until done() holds (checked before each step); the outputs on the way."""
+    outs: list = []
+    for _ in range(limit):
+        if done():
+            return outs
+        outs += sched.step()
+    raise AssertionError("the scheduler never got there")
+
+
+def test_a_deadline_passing_while_the_last_token_is_in_flight(engines):
+    """The deadline of a request whose last token is in flight passes: the drain ends it by length, and the
+    deadline then finds nothing to abort."""
+    sched = engines[1].scheduler
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True).normalize()
+    sched.add_request(GenerateReq("d", PROMPTS[0], params))
+    req = sched.reqs["d"]
+
+    def last_token_in_flight() -> bool:
+        flight = sched.in_flight
+        return flight is not None and any(r is req for r in flight.reqs) and len(req.output_ids) == 5
+
+    outs = steps_until(sched, last_token_in_flight)
+    req.deadline = time.time() - 1
+    outs += steps_until(sched, lambda: not sched.has_work)
+    assert [o.finish_reason["type"] for o in outs if o.finished] == ["length"]
+    assert len(req.output_ids) == 6 and engines[1].check_integrity()["ok"]
+
+
+def test_a_flush_right_after_a_stop_seen_late(engines):
+    """The last request ended by a stop token with its extra row still in flight: /flush_cache settles that row
+    and flushes, rather than refusing as if requests were running."""
+    plain, overlap = engines
+    free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    stop = plain.generate(input_ids=PROMPTS[2], sampling_params=free)["output_ids"][4]
+    sched = overlap.scheduler
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[stop]).normalize()
+    sched.add_request(GenerateReq("f", PROMPTS[2], params))
+    steps_until(sched, lambda: "f" not in sched.reqs)
+    assert sched.in_flight is not None  # the row of the step launched before the stop was seen
+    assert sched.flush_cache()
+    assert sched.in_flight is None and sched.kv.cache_tokens() == 0 and overlap.check_integrity()["ok"]
+
+
+def test_pages_of_four_tokens(tiny_llama):
+    """With --page-size 4 an extra row may open a page of its own or sit in a page the request keeps: stop tokens
+    seen late at every offset in the page give the plain scheduler's outputs and leave every slot accounted."""
+    engines = [
+        kiln.Engine(model_path=tiny_llama, page_size=4, enable_overlap_schedule=on, **ARGS)
+        for on in (False, True)
+    ]
+    try:
+        free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+        ran = engines[0].generate(input_ids=PROMPTS, sampling_params=[free] * len(PROMPTS))
+        stops = [
+            {**free, "stop_token_ids": [o["output_ids"][3 + i]], "ignore_eos": False}
+            for i, o in enumerate(ran)
+        ]
+        assert outputs(engines[1], stops) == outputs(engines[0], stops)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_traffic_as_the_plain_scheduler(engines, seed, monkeypatch):
+    """Seeded random traffic: requests arriving at random steps with random prompts and lengths, greedy or seeded
+    sampling, half of them stopped by a token of their own output (seen a step late), some aborted later. Every
+    request that was not aborted gets the plain scheduler's tokens and finish (a request's tokens do not depend
+    on its batch); the aborted ones end as aborts or as they would have; no slot is lost."""
+    plain, overlap = engines
+    rng = random.Random(seed)
+    reqs: list[tuple[int, GenerateReq]] = []
+    for i in range(10):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(2, 40))]
+        kw = {"max_new_tokens": rng.randrange(1, 16), "ignore_eos": True, "temperature": 0}
+        if rng.random() < 0.4:
+            kw.update(temperature=0.8, seed=rng.randrange(1000))
+        if rng.random() < 0.5:  # a token this request will produce stops it
+            tokens = plain.generate(input_ids=prompt, sampling_params=kw)["output_ids"]
+            kw.update(stop_token_ids=[rng.choice(tokens)], ignore_eos=False)
+        reqs.append((rng.randrange(0, 30), GenerateReq(f"r{i}", prompt, SamplingParams(**kw).normalize())))
+    aborted = {req.rid: step + rng.randrange(1, 6) for step, req in reqs if rng.random() < 0.2}
+
+    def run(engine) -> dict[str, list]:
+        sched, out = engine.scheduler, {}
+        for k in range(400):
+            for step, req in reqs:
+                if step == k:
+                    sched.add_request(GenerateReq(req.rid, list(req.input_ids), req.params))
+            for rid, at in aborted.items():
+                if at == k:
+                    sched.abort(AbortReq(rid))
+            for o in sched.step():
+                out.setdefault(o.rid, []).extend(o.new_ids)
+                if o.finished:
+                    out[o.rid].append(o.finish_reason["type"])
+            if k > 40 and not sched.has_work:
+                break
+        assert engine.check_integrity()["ok"]
+        return out
+
+    want = run(plain)
+    counted = launches(monkeypatch)
+    got = run(overlap)
+    assert counted and set(got) == set(want) == {f"r{i}" for i in range(10)}
+    assert any(w[-1] == "stop" for w in want.values())
+    for rid in want:
+        if rid in aborted:
+            assert got[rid][-1] in ("abort", want[rid][-1]), (rid, got[rid], want[rid])
+        else:
+            assert got[rid] == want[rid], rid

@@ -29,7 +29,7 @@ if triton is not None:
         X, R, W, Y, Sum, stride_x, stride_r, stride_y, stride_s, n, eps,
         BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in a long prefill
         col = tl.arange(0, BLOCK)
         inside = col < n
         x = tl.load(X + row * stride_x + col, mask=inside, other=0.0)
@@ -46,7 +46,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(GU, Out, stride_gu, stride_out, n, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in a long prefill
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = col < n
         gate = tl.load(GU + row * stride_gu + col, mask=inside, other=0.0).to(tl.float32)
@@ -59,7 +59,7 @@ if triton is not None:
         X, CosSin, Out, stride_xt, stride_xh, stride_ct, stride_cs, stride_ot, stride_oh,
         HALF: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, BLOCK)
         inside = i < HALF

@@ -184,7 +184,9 @@ class Scheduler:
             return
         if distributed.tp_size() > 1:
             wait_futures([r.grammar for r in self.grammar_queue if r.grammar is not None])
-        elif not (self.waiting or self.running or self.chunked):  # nothing else to do: sleep on the compiles
+        elif not (
+            self.waiting or self.running or self.chunked or self.in_flight
+        ):  # nothing else: sleep on the compiles
             wait_futures(
                 [r.grammar for r in self.grammar_queue if r.grammar is not None], 0.01, FIRST_COMPLETED
             )
@@ -199,7 +201,7 @@ class Scheduler:
             self.waiting.append(req)
 
     def abort(self, msg: AbortReq) -> None:
-        self._drain()
+        self.drain()
         targets = (
             list(self.reqs.values())
             if msg.abort_all
@@ -242,7 +244,7 @@ class Scheduler:
         if self._chains():
             self._overlap_decode()
             return self.take_outputs()
-        self._drain()
+        self.drain()
         batch = None
         if not (self.last_was_prefill and self.running):
             batch = self._build_prefill()
@@ -262,10 +264,9 @@ class Scheduler:
         return out
 
     def _expire_deadlines(self) -> None:
-        expired = self.expired_aborts()
-        if expired:
-            self._drain()
-        for msg in expired:
+        if self.in_flight is not None and self.expired_aborts():
+            self.drain()  # which may end some of them first
+        for msg in self.expired_aborts():
             self._finish_abort(self.reqs[msg.rid], msg.message)
 
     def expired_aborts(self) -> list[AbortReq]:
@@ -512,21 +513,24 @@ class Scheduler:
     def _overlap_decode(self) -> None:
         """Launch the next decode step, then process the one in flight while it runs."""
         self.last_was_prefill = False
-        before, self.in_flight = self.in_flight, None
+        # the step in flight stays in self.in_flight until the next is launched: whatever raises before that
+        # leaves it where fail_all finds it
+        before = self.in_flight
         reqs = next_rows(self.running, before, self.limits.context_len)
         slots = self.kv.alloc_decode(reqs) if reqs else None
         if reqs and slots is None:  # no room after all: the step in flight is processed, then the plain path
-            self.in_flight = before
-            self._drain()
+            self.drain()
             self._run_decode()
             return
+        launched = None
         if reqs:
             fb = build_decode(
                 reqs, self.kv.table, slots
-            )  # input ids of rows in flight: filled in by the thread
-            for r in reqs:
+            )  # input ids of rows in flight: the thread fills them in
+            for r in reqs:  # the new slots are the requests' from here (a release frees them)
                 r.kv_len += 1
-            self.in_flight = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before)
+            launched = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before)
+        self.in_flight = launched
         if before is not None:
             self._take_step(before)
 
@@ -552,9 +556,10 @@ class Scheduler:
     def _cache_extra_row(self, req: Req) -> None:
         """A request that ended (EOS, a stop) after the next step had been launched with it: that step's row is
         dropped with its slot, and the request's KV is cached as at any finish."""
+        if req.table_idx is None:
+            return
         self.kv.trim(req, req.kv_len - 1, req.kv_len)
-        if req.table_idx is not None:
-            self.kv.cache_finished(req)
+        self.kv.cache_finished(req)
 
     def _fail_steps(self, step: InFlight, exc: Exception) -> None:
         """A launched step failed: the one launched after it fails with it (it waited on these tokens)."""
@@ -567,14 +572,25 @@ class Scheduler:
             self._cache_extra_row(r)
         self._fail_batch([r for r in reqs if not r.finished], exc)
 
-    def _drain(self) -> None:
+    def _abandon_in_flight(self) -> None:
+        """The step in flight waited for and its tokens left untaken (everything is about to fail): only the extra
+        rows of requests that already ended are settled."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return
+        step.tokens.exception()  # waits; a failed step's error is the caller's to report
+        for r in step.reqs:
+            if r.finished:
+                self._cache_extra_row(r)
+
+    def drain(self) -> None:
         """Process the step in flight, if any: afterwards the scheduler's state is that of the plain path."""
         while self.in_flight is not None:
             step, self.in_flight = self.in_flight, None
             self._take_step(step)
 
     def close(self) -> None:
-        self._drain()
+        self.drain()
         if self.forward_thread is not None:
             self.forward_thread.shutdown()
 
@@ -587,10 +603,7 @@ class Scheduler:
         self.outbox.append(self.out.flush_output(req))
 
     def fail_all(self, error: str) -> None:
-        try:
-            self._drain()
-        except Exception:  # failing everything anyway
-            self.in_flight = None
+        self._abandon_in_flight()
         for r in list(self.reqs.values()):
             self._finish_abort(r, "internal error", error=error)
 
@@ -694,7 +707,7 @@ class Scheduler:
         }
 
     def check_integrity(self) -> dict:
-        self._drain()
+        self.drain()
         report = self.kv.integrity(self.live_reqs())
         if not report["ok"]:
             self.integrity_violations += 1
@@ -702,7 +715,8 @@ class Scheduler:
         return report
 
     def flush_cache(self) -> bool:
-        if self.has_work:
+        if self.waiting or self.running or self.chunked or self.grammar_queue:
             return False
+        self.drain()  # the extra rows of requests that already ended
         self.kv.flush()
         return True
