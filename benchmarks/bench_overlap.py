@@ -50,6 +50,7 @@ def main() -> None:
         "overlap": kiln.Engine(enable_overlap_schedule=True, **common),
     }
     print(f"{'batch':>5} {'plain tok/s':>12} {'overlap tok/s':>14} {'ratio':>6} identical")
+    differ = []
     for bs in args.bs:
         texts = prompts(bs)
         times: dict[str, list[float]] = {name: [] for name in engines}
@@ -66,8 +67,12 @@ def main() -> None:
         print(
             f"{bs:>5} {rate['plain']:>12.1f} {rate['overlap']:>14.1f} {rate['overlap'] / rate['plain']:>6.2f} {same}"
         )
+        if not same:
+            differ.append(bs)
     for engine in engines.values():
         engine.shutdown()
+    if differ:
+        raise SystemExit(f"the overlap schedule's outputs differ from the plain one's at batch {differ}")
 
 
 if __name__ == "__main__":

@@ -105,7 +105,17 @@ class Syncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_device_work_waits_for_nothing():
+def no_host_reads(monkeypatch) -> None:
+    """Reads of a tensor's values by the host that bypass the dispatcher (tolist, numpy, item) raise."""
+    for name in ("tolist", "numpy", "item"):
+
+        def refuse(*args, _name=name, **kwargs):
+            raise AssertionError(f"the device work read values back with .{_name}()")
+
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def test_the_device_work_waits_for_nothing(monkeypatch):
     """From the host's batch to the packed result the device runs nothing the host must read back; the one read
     is `unpack`'s. The same rows through the CPU sampler do such reads (the detector sees them)."""
     logits = logits_for(8)
@@ -115,7 +125,8 @@ def test_the_device_work_waits_for_nothing():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        with Syncs() as syncs:
+        with monkeypatch.context() as patched, Syncs() as syncs:
+            no_host_reads(patched)
             packed = sample_packed(logits, batch.to(logits.device))
     finally:
         if DEVICE == "cuda":

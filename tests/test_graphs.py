@@ -30,6 +30,7 @@ from kiln.runner import graph_backends, graph_runner
 from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, pad_decode_inputs
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import GenerateReq
+from kiln.scheduler.overlap import ForwardThread
 
 CAPTURED = (1, 2, 4)
 PREFILL = (16, 32, 64)  # token counts
@@ -193,6 +194,25 @@ def test_outputs_match_eager_and_transformers_while_requests_join_and_leave(engi
     for i, (ids, new) in enumerate(zip(prompts, news)):
         ref, _ = hf_greedy(model, ids, new, {model.config.eos_token_id})
         assert got[f"r{i}"] == ref, (i, got[f"r{i}"], ref)
+
+
+def test_the_overlap_schedule_replays_the_captured_steps_on_its_forward_thread(engines):
+    """The overlap schedule (CUDA's default) with captured steps: decode steps launched on the forward thread
+    replay the shapes captured at startup, a request joining midway drains and prefills, and the tokens are
+    eager's."""
+    graphs, eager = engines
+    sched = graphs.scheduler
+    sched.forward_thread = ForwardThread(sched._forward_and_sample)
+    try:
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 9, 3)]
+        schedule = list(zip([0, 0, 3], prompts, [8, 12, 6]))
+        run, ref = drive(graphs, schedule), drive(eager, schedule)
+        assert run.outs == ref.outs
+        assert any(on for _, on in run.decodes), run.decodes
+    finally:
+        sched.forward_thread.shutdown()
+        sched.forward_thread = None
 
 
 def check_prefills_pad_hit_or_fall_back(graphs, eager) -> tuple[list[list[int]], Run]:

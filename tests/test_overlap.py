@@ -5,6 +5,7 @@ ended leaves no slot behind, and a step that fails fails its requests and no oth
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 
@@ -14,6 +15,7 @@ import kiln
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq
 from kiln.scheduler.overlap import ForwardThread
+from kiln.scheduler.scheduler import Scheduler
 
 PROMPTS = [[5, 9, 14, 3, 7, 11, 2, 8], [1, 2, 3], list(range(100, 130)), [40, 41, 42, 43]]
 ARGS = dict(disable_cuda_graph=True, max_total_tokens=2048, num_threads=1)
@@ -27,6 +29,30 @@ def engines(tiny_llama):
     yield plain, overlap
     plain.shutdown()
     overlap.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def fresh_engines(request):
+    """Each test starts both engines alike: nothing running, nothing in flight, empty prefix caches (so that the
+    two see the same cache hits), and leaves them so whatever it left behind."""
+    yield
+    if "engines" not in request.fixturenames:
+        return
+    for engine in request.getfixturevalue("engines"):
+        engine.scheduler.abort(AbortReq(abort_all=True))
+        while engine.scheduler.has_work:
+            engine.scheduler.step()
+        assert engine.scheduler.flush_cache() and engine.check_integrity()["ok"]
+
+
+def extra_rows(monkeypatch) -> list[str]:
+    """The rids whose extra row (a step launched before their stop was seen) was dropped, as it happens."""
+    dropped: list[str] = []
+    real = Scheduler._cache_extra_row
+    monkeypatch.setattr(
+        Scheduler, "_cache_extra_row", lambda self, req: dropped.append(req.rid) or real(self, req)
+    )
+    return dropped
 
 
 def launches(monkeypatch) -> list[int]:
@@ -72,24 +98,26 @@ def test_greedy_sampled_and_logprobs_as_the_plain_scheduler(engines, monkeypatch
 
 def test_a_stop_token_seen_a_step_late(engines, monkeypatch):
     """A request stopped by a token the host reads only after launching its next step: the same output and
-    finish, the extra row dropped (the integrity check counts every slot), its prefix cached as after a plain
-    finish (the same prompt again hits the same cached tokens)."""
+    finish, the extra row dropped (the integrity check counts every slot), and the request's KV cached as after a
+    plain finish: the prompt and its output asked again hit the same cached tokens, its generated ones included."""
     plain, overlap = engines
     free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     ran = plain.generate(input_ids=PROMPTS, sampling_params=[free] * len(PROMPTS))
     stops = [{**free, "stop_token_ids": [o["output_ids"][4]], "ignore_eos": False} for o in ran]
     want = outputs(plain, stops)
     assert all(reason["type"] == "stop" for _, reason, _ in want)
-    counted = launches(monkeypatch)
+    dropped = extra_rows(monkeypatch)
     assert outputs(overlap, stops) == want
-    assert counted
-    again = [{**s, "max_new_tokens": 1} for s in stops]
-    cached = [
-        o["meta_info"]["cached_tokens"] for o in plain.generate(input_ids=PROMPTS, sampling_params=again)
-    ]
-    assert [
-        o["meta_info"]["cached_tokens"] for o in overlap.generate(input_ids=PROMPTS, sampling_params=again)
-    ] == cached
+    assert len(set(dropped)) == len(dropped) == len(PROMPTS)  # one extra row each
+    again = [p + ids for p, (ids, _, _) in zip(PROMPTS, want, strict=True)]
+
+    def cached(engine) -> list[int]:
+        out = engine.generate(input_ids=again, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        return [o["meta_info"]["cached_tokens"] for o in out]
+
+    hits = cached(plain)
+    assert hits == [len(p) - 1 for p in again]  # everything but the last token, which is always computed
+    assert cached(overlap) == hits
 
 
 def drive(
@@ -134,20 +162,29 @@ def test_arrivals_and_an_abort_while_a_step_is_in_flight(engines, monkeypatch):
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engines, monkeypatch):
+    """The third decode step fails on the forward thread while the second's tokens are being taken in: the two
+    requests in it fail with the error; a request that ended by length before it does not; the engine then serves
+    as before."""
     plain, overlap = engines
     runner, calls = overlap.scheduler.runner, []
     forward = runner.forward
 
     def failing(fb):
         calls.append(fb.input_ids.shape[0])
-        if len(calls) == 4:
+        if len(calls) == 4:  # the prefill, then decode steps 1, 2 and 3
             raise RuntimeError("injected forward failure")
         return forward(fb)
 
     monkeypatch.setattr(runner, "forward", failing)
+    counted = launches(monkeypatch)
     greedy = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
-    got = overlap.generate(input_ids=PROMPTS[:2], sampling_params=greedy)
-    assert all("injected forward failure" in o["meta_info"]["error"] for o in got)
+    short = {**greedy, "max_new_tokens": 2}
+    got = overlap.generate(input_ids=PROMPTS[:3], sampling_params=[greedy, greedy, short])
+    assert all("injected forward failure" in o["meta_info"]["error"] for o in got[:2])
+    assert "error" not in got[2]["meta_info"] and got[2]["meta_info"]["finish_reason"]["type"] == "length"
+    # the short request left the chain after step 1; step 4, launched before step 3 was seen to fail, waited on
+    # its tokens and never ran
+    assert counted == [3, 2, 2, 2] and calls[1:] == [3, 2, 2]
     assert overlap.check_integrity()["ok"]
     monkeypatch.setattr(runner, "forward", forward)
     assert outputs(overlap, [greedy] * 2, PROMPTS[:2]) == outputs(plain, [greedy] * 2, PROMPTS[:2])
@@ -197,21 +234,34 @@ def test_a_flush_right_after_a_stop_seen_late(engines):
     assert sched.in_flight is None and sched.kv.cache_tokens() == 0 and overlap.check_integrity()["ok"]
 
 
-def test_pages_of_four_tokens(tiny_llama):
-    """With --page-size 4 an extra row may open a page of its own or sit in a page the request keeps: stop tokens
-    seen late at every offset in the page give the plain scheduler's outputs and leave every slot accounted."""
+def test_pages_of_four_tokens(tiny_llama, monkeypatch):
+    """With --page-size 4 the extra row of a request that ended sits at each offset of a page: 0 (a page of its own,
+    given back whole) to 3 (the last slot of a page the request keeps). Each request stops at a token first seen
+    there, and gets the plain scheduler's output; every slot is accounted for."""
     engines = [
         kiln.Engine(model_path=tiny_llama, page_size=4, enable_overlap_schedule=on, **ARGS)
         for on in (False, True)
     ]
     try:
         free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-        ran = engines[0].generate(input_ids=PROMPTS, sampling_params=[free] * len(PROMPTS))
-        stops = [
-            {**free, "stop_token_ids": [o["output_ids"][3 + i]], "ignore_eos": False}
-            for i, o in enumerate(ran)
-        ]
-        assert outputs(engines[1], stops) == outputs(engines[0], stops)
+        ran = [o["output_ids"] for o in engines[0].generate(input_ids=PROMPTS, sampling_params=[free] * 4)]
+
+        def first_seen(i: int, offset: int) -> int | None:
+            """An output index whose token first appears there and whose extra row (the token's KV, at position
+            len(prompt) + index) sits at `offset` in its page; the first token, sampled by the prefill, has none."""
+            ids = ran[i]
+            fits = [s for s in range(1, 12) if (len(PROMPTS[i]) + s) % 4 == offset and ids[s] not in ids[:s]]
+            return fits[0] if fits else None
+
+        order = next(
+            o for o in itertools.permutations(range(4)) if all(first_seen(i, o[i]) for i in range(4))
+        )
+        ends = [first_seen(i, order[i]) for i in range(4)]
+        stops = [{**free, "stop_token_ids": [ran[i][s]], "ignore_eos": False} for i, s in enumerate(ends)]
+        dropped = extra_rows(monkeypatch)
+        got = outputs(engines[1], stops)
+        assert got == outputs(engines[0], stops)
+        assert [len(ids) for ids, _, _ in got] == [s + 1 for s in ends] and len(dropped) == 4
     finally:
         for engine in engines:
             engine.shutdown()
@@ -261,7 +311,8 @@ def test_random_traffic_as_the_plain_scheduler(engines, seed, monkeypatch):
     assert counted and set(got) == set(want) == {f"r{i}" for i in range(10)}
     assert any(w[-1] == "stop" for w in want.values())
     for rid in want:
-        if rid in aborted:
+        if rid in aborted:  # cut wherever the abort found it: its tokens so far are the plain run's
             assert got[rid][-1] in ("abort", want[rid][-1]), (rid, got[rid], want[rid])
+            assert got[rid][:-1] == [t for t in want[rid] if isinstance(t, int)][: len(got[rid]) - 1]
         else:
             assert got[rid] == want[rid], rid

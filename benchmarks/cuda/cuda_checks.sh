@@ -23,7 +23,7 @@ echo "=== bench_graphs"; date
 cd benchmarks && timeout 150 python3 bench_graphs.py --device cuda --model-path /tmp/smol --bs 1 8 32 --prefill 128 512 --reps 3 --json $OUT/bench_graphs_cuda.json > $OUT/bench_graphs_cuda.log 2>&1
 tail -30 $OUT/bench_graphs_cuda.log
 echo "=== overlap schedule against the plain one"; date
-timeout 120 python3 bench_overlap.py --device cuda --model-path /tmp/smol --bs 1 32 --max-new-tokens 64 --reps 2 > $OUT/bench_overlap_cuda.log 2>&1
+timeout 150 python3 bench_overlap.py --device cuda --model-path /tmp/smol --cuda-graph-bs 1 32 --bs 1 32 --max-new-tokens 64 --reps 2 > $OUT/bench_overlap_cuda.log 2>&1
 tail -6 $OUT/bench_overlap_cuda.log
 echo "=== 8B-class model against the GPU's limits, --attention-backend triton"; date
 cd .. && timeout 420 python3 benchmarks/cuda/bench_8b.py --tokenizer .devcarry/tiny-llama --attention-backend triton --json $OUT/bench_8b_triton.json > $OUT/bench_8b_triton.log 2>&1

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 # with "@<rank>" to hit one tensor-parallel rank alone ("crash:loading_weights@1"; rank 0 without it).
 KILN_FAULT = "KILN_FAULT"
 # Where Kiln's fused Triton kernels (RMSNorm with the residual add, SiLU-and-multiply, rotary) serve half-precision
-# activations: "auto" on CUDA; "all" on the CPU too, in Triton's interpreter (the tests' hook); "off" nowhere, torch's
-# own ops everywhere (the A/B benchmark's and the tests' reference).
+# activations: "auto" on CUDA; "all" on the CPU too, in Triton's interpreter (slow: for checking them without a GPU);
+# "off" nowhere, torch's own ops everywhere (the unfused step, for an A/B run or to rule the kernels out).
 KILN_TRITON_FUSED = "KILN_TRITON_FUSED"
 TRITON_FUSED_MODES = ("auto", "all", "off")
 # inductor's own on-disk cache directory; the default for --compile-cache-dir when set.

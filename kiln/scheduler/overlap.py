@@ -11,7 +11,7 @@ and is left out of N+1.
 Only plain decode chains: anything else (a prefill to schedule, a grammar, penalties, min_new_tokens still ahead,
 speculative decoding, a hybrid model's state tracking, several ranks, a pool too full for the step) first drains
 the step in flight, then runs as without overlap. Everything that touches a request's KV outside a step (aborts,
-deadlines, flushes, integrity checks) drains first too.
+deadlines, flushes, integrity checks, closing) drains first too, as does the end of an in-process Engine call.
 """
 
 from __future__ import annotations
@@ -59,9 +59,8 @@ class ForwardThread:
         source: list[int | None] | None,
     ) -> SampleOutput:
         if after is not None:
-            tokens = (
-                after.tokens.result().next_token_ids
-            )  # raises where that step failed: this one fails with it
+            # raises where that step failed: this one fails with it
+            tokens = after.tokens.result().next_token_ids
             for j, i in enumerate(source):
                 if i is not None:
                     fb.input_ids[j] = tokens[i]
@@ -90,4 +89,6 @@ def next_rows(running: list[Req], in_flight: InFlight | None, context_len: int) 
 
 
 def plain_rows(reqs: list[Req]) -> list[SamplingRow]:
+    """Sampling rows for the forward thread. They share the requests' output lists, which the scheduler appends to
+    meanwhile: only penalties read them, and a request with penalties does not chain."""
     return [SamplingRow(r.params, r.generator, r.input_ids, r.output_ids) for r in reqs]

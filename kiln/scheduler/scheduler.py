@@ -524,9 +524,8 @@ class Scheduler:
             return
         launched = None
         if reqs:
-            fb = build_decode(
-                reqs, self.kv.table, slots
-            )  # input ids of rows in flight: the thread fills them in
+            # the input ids of rows in flight are stale here: the forward thread fills them in
+            fb = build_decode(reqs, self.kv.table, slots)
             for r in reqs:  # the new slots are the requests' from here (a release frees them)
                 r.kv_len += 1
             launched = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before)
