@@ -20,8 +20,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import kiln.distributed as distributed
 from kiln.core.forward_batch import ForwardBatch
+from kiln.runner.device_sampler import sample_step
 from kiln.runner.sampler import SampleOutput, SamplingRow
+from kiln.scheduler.batch import build_decode
 from kiln.scheduler.req import Req
 
 
@@ -92,3 +95,114 @@ def plain_rows(reqs: list[Req]) -> list[SamplingRow]:
     """Sampling rows for the forward thread. They share the requests' output lists, which the scheduler appends to
     meanwhile: only penalties read them, and a request with penalties does not chain."""
     return [SamplingRow(r.params, r.generator, r.input_ids, r.output_ids) for r in reqs]
+
+
+class OverlapSchedule:
+    """The scheduler's side of the overlap: when a step chains, launching it, taking in the step before, and
+    settling the step in flight wherever the plain path's state is needed. Mixed into Scheduler, whose state
+    (running requests, KV, outputs) it works on."""
+
+    forward_thread: ForwardThread | None
+    in_flight: InFlight | None
+
+    def _forward_and_sample(self, fb, rows: list[SamplingRow]) -> SampleOutput:
+        """A launched step, on the forward thread."""
+        return sample_step(self.runner.forward(fb), rows)
+
+    def _chains(self) -> bool:
+        """Whether this step is plain decode the forward thread can run one step ahead (the module says when)."""
+        return (
+            self.forward_thread is not None
+            and self.spec is None
+            and self.runner.state_pool is None
+            and distributed.tp_size() == 1
+            and not self.waiting
+            and self.chunked is None
+            and bool(self.running)
+            and all(chainable(r) for r in self.running)
+            and self.kv.decode_fits(len(self.running))
+        )
+
+    def _overlap_decode(self) -> None:
+        """Launch the next decode step, then process the one in flight while it runs."""
+        self.last_was_prefill = False
+        # the step in flight stays in self.in_flight until the next is launched: whatever raises before that
+        # leaves it where fail_all finds it
+        before = self.in_flight
+        reqs = next_rows(self.running, before, self.limits.context_len)
+        slots = self.kv.alloc_decode(reqs) if reqs else None
+        if reqs and slots is None:  # no room after all: the step in flight is processed, then the plain path
+            self.drain()
+            self._run_decode()
+            return
+        launched = None
+        if reqs:
+            # the input ids of rows in flight are stale here: the forward thread fills them in
+            fb = build_decode(reqs, self.kv.table, slots)
+            for r in reqs:  # the new slots are the requests' from here (a release frees them)
+                r.kv_len += 1
+            launched = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before)
+        self.in_flight = launched
+        if before is not None:
+            self._take_step(before)
+
+    def _take_step(self, step: InFlight) -> None:
+        """A launched step's tokens, taken in: rows of requests that ended meanwhile give back their extra slot."""
+        try:
+            result = step.tokens.result()
+        except Exception as e:
+            self._fail_steps(step, e)
+            return
+        live = []
+        for i, r in enumerate(step.reqs):
+            if r.finished:
+                self._cache_extra_row(r)
+            else:
+                live.append(i)
+        if live:
+            ids, logprobs, top = result.next_token_ids, result.logprobs, result.top_logprobs
+            picked = SampleOutput([ids[i] for i in live], [logprobs[i] for i in live], [top[i] for i in live])
+            self._take_tokens([step.reqs[i] for i in live], picked)
+            self._decoded(len(live))
+
+    def _cache_extra_row(self, req: Req) -> None:
+        """A request that ended (EOS, a stop) after the next step had been launched with it: that step's row is
+        dropped with its slot, and the request's KV is cached as at any finish."""
+        if req.table_idx is None:
+            return
+        self.kv.trim(req, req.kv_len - 1, req.kv_len)
+        self.kv.cache_finished(req)
+
+    def _fail_steps(self, step: InFlight, exc: Exception) -> None:
+        """A launched step failed: the one launched after it fails with it (it waited on these tokens)."""
+        later, self.in_flight = self.in_flight, None
+        failed = self._settle(step)
+        if later is not None:
+            failed += [r for r in self._settle(later) if all(r is not x for x in failed)]
+        self._fail_batch(failed, exc)
+
+    def _abandon_in_flight(self) -> None:
+        """The step in flight waited for and its tokens left untaken (everything is about to fail)."""
+        step, self.in_flight = self.in_flight, None
+        if step is not None:
+            self._settle(step)
+
+    def _settle(self, step: InFlight) -> list[Req]:
+        """Waits for a step whose tokens will not be taken and drops the extra rows of its requests that already
+        ended; returns the others (a failed step's error is the caller's to report)."""
+        step.tokens.exception()
+        for r in step.reqs:
+            if r.finished:
+                self._cache_extra_row(r)
+        return [r for r in step.reqs if not r.finished]
+
+    def drain(self) -> None:
+        """Process the step in flight, if any: afterwards the scheduler's state is that of the plain path."""
+        while self.in_flight is not None:
+            step, self.in_flight = self.in_flight, None
+            self._take_step(step)
+
+    def close(self) -> None:
+        self.drain()
+        if self.forward_thread is not None:
+            self.forward_thread.shutdown()

@@ -29,7 +29,7 @@ from kiln.scheduler.batch import build_decode, build_extend
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput, RequestCounters, SchedulerStats
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
-from kiln.scheduler.overlap import ForwardThread, InFlight, chainable, next_rows, plain_rows
+from kiln.scheduler.overlap import ForwardThread, InFlight, OverlapSchedule
 from kiln.scheduler.prefill import PrefillAdder
 from kiln.scheduler.req import Req
 from kiln.scheduler.spec_step import SpecDecoder
@@ -71,7 +71,7 @@ def make_prefix_cache(
     return RadixCache(runner.allocator, page_size)
 
 
-class Scheduler:
+class Scheduler(OverlapSchedule):
     def __init__(
         self,
         runner: ModelRunner,
@@ -184,9 +184,7 @@ class Scheduler:
             return
         if distributed.tp_size() > 1:
             wait_futures([r.grammar for r in self.grammar_queue if r.grammar is not None])
-        elif not (
-            self.waiting or self.running or self.chunked or self.in_flight
-        ):  # nothing else: sleep on the compiles
+        elif not (self.waiting or self.running or self.chunked or self.in_flight):  # sleep on the compiles
             wait_futures(
                 [r.grammar for r in self.grammar_queue if r.grammar is not None], 0.01, FIRST_COMPLETED
             )
@@ -490,108 +488,6 @@ class Scheduler:
             self.kv.cache_finished(req)
         # else the step in flight still writes its extra row: its KV is cached when that step is in (_take_step)
         self._emit(req)
-
-    # ------------------------------------------------------------------ overlap (kiln.scheduler.overlap)
-    def _forward_and_sample(self, fb, rows: list[SamplingRow]) -> SampleOutput:
-        """A launched step, on the forward thread."""
-        return sample_step(self.runner.forward(fb), rows)
-
-    def _chains(self) -> bool:
-        """Whether this step is plain decode the forward thread can run one step ahead (the module says when)."""
-        return (
-            self.forward_thread is not None
-            and self.spec is None
-            and self.runner.state_pool is None
-            and distributed.tp_size() == 1
-            and not self.waiting
-            and self.chunked is None
-            and bool(self.running)
-            and all(chainable(r) for r in self.running)
-            and self.kv.decode_fits(len(self.running))
-        )
-
-    def _overlap_decode(self) -> None:
-        """Launch the next decode step, then process the one in flight while it runs."""
-        self.last_was_prefill = False
-        # the step in flight stays in self.in_flight until the next is launched: whatever raises before that
-        # leaves it where fail_all finds it
-        before = self.in_flight
-        reqs = next_rows(self.running, before, self.limits.context_len)
-        slots = self.kv.alloc_decode(reqs) if reqs else None
-        if reqs and slots is None:  # no room after all: the step in flight is processed, then the plain path
-            self.drain()
-            self._run_decode()
-            return
-        launched = None
-        if reqs:
-            # the input ids of rows in flight are stale here: the forward thread fills them in
-            fb = build_decode(reqs, self.kv.table, slots)
-            for r in reqs:  # the new slots are the requests' from here (a release frees them)
-                r.kv_len += 1
-            launched = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before)
-        self.in_flight = launched
-        if before is not None:
-            self._take_step(before)
-
-    def _take_step(self, step: InFlight) -> None:
-        """A launched step's tokens, taken in: rows of requests that ended meanwhile give back their extra slot."""
-        try:
-            result = step.tokens.result()
-        except Exception as e:
-            self._fail_steps(step, e)
-            return
-        live = []
-        for i, r in enumerate(step.reqs):
-            if r.finished:
-                self._cache_extra_row(r)
-            else:
-                live.append(i)
-        if live:
-            ids, logprobs, top = result.next_token_ids, result.logprobs, result.top_logprobs
-            picked = SampleOutput([ids[i] for i in live], [logprobs[i] for i in live], [top[i] for i in live])
-            self._take_tokens([step.reqs[i] for i in live], picked)
-            self._decoded(len(live))
-
-    def _cache_extra_row(self, req: Req) -> None:
-        """A request that ended (EOS, a stop) after the next step had been launched with it: that step's row is
-        dropped with its slot, and the request's KV is cached as at any finish."""
-        if req.table_idx is None:
-            return
-        self.kv.trim(req, req.kv_len - 1, req.kv_len)
-        self.kv.cache_finished(req)
-
-    def _fail_steps(self, step: InFlight, exc: Exception) -> None:
-        """A launched step failed: the one launched after it fails with it (it waited on these tokens)."""
-        later, self.in_flight = self.in_flight, None
-        reqs = list(step.reqs)
-        if later is not None:
-            later.tokens.exception()  # wait for it to stop
-            reqs += [r for r in later.reqs if all(r is not x for x in reqs)]
-        for r in [r for r in reqs if r.finished]:
-            self._cache_extra_row(r)
-        self._fail_batch([r for r in reqs if not r.finished], exc)
-
-    def _abandon_in_flight(self) -> None:
-        """The step in flight waited for and its tokens left untaken (everything is about to fail): only the extra
-        rows of requests that already ended are settled."""
-        step, self.in_flight = self.in_flight, None
-        if step is None:
-            return
-        step.tokens.exception()  # waits; a failed step's error is the caller's to report
-        for r in step.reqs:
-            if r.finished:
-                self._cache_extra_row(r)
-
-    def drain(self) -> None:
-        """Process the step in flight, if any: afterwards the scheduler's state is that of the plain path."""
-        while self.in_flight is not None:
-            step, self.in_flight = self.in_flight, None
-            self._take_step(step)
-
-    def close(self) -> None:
-        self.drain()
-        if self.forward_thread is not None:
-            self.forward_thread.shutdown()
 
     def _emit(self, req: Req) -> None:
         self.reqs.pop(req.rid, None)
