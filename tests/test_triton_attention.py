@@ -5,11 +5,15 @@ the kernels run in Triton's interpreter; on CUDA the same tests run them compile
 
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import accumulate
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 triton_attention = pytest.importorskip("kiln.layers.triton_attention")
+extend_plan = triton_attention.extend_plan
 if not triton_attention.available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
@@ -99,26 +103,54 @@ def reference_extend(q, k, v, k_cache, v_cache, prefixes, ext_lens, scale):
     return out
 
 
-@pytest.mark.parametrize("hq,hk,dim", [(4, 2, 16), (3, 3, 24)])
-def test_extend_over_cached_prefixes_and_fresh_prompts(hq, hk, dim):
-    """Three requests in one launch: a fresh prompt longer than a block of rows, one on a 50-slot prefix, one
-    token on a 3-slot prefix."""
-    k_cache, v_cache = pool(200, hk, dim)
-    prefix_lens, ext_lens = [0, 50, 3], [45, 7, 1]
+def run_extend(hq, hk, dim, prefix_lens, ext_lens, dtype=torch.float32, pool_dtype=None, gpu_tiles=False):
+    """Requests with cached prefixes of prefix_lens slots (random slots of a pool) and ext_lens new tokens each,
+    in one launch -> (the kernel's output, torch's in float32 over the same values). gpu_tiles: the tiles a GPU
+    launches half precision with, whatever the dtype and the device."""
+    k_cache, v_cache = pool(200, hk, dim, pool_dtype or dtype)
     gen = torch.Generator().manual_seed(2)
     prefixes = [(torch.randperm(199, generator=gen)[:n] + 1).to(DEVICE) for n in prefix_lens]
     t = sum(ext_lens)
-    q = torch.randn(t, hq, dim, device=DEVICE)
-    k, v = torch.randn(t, hk, dim, device=DEVICE), torch.randn(t, hk, dim, device=DEVICE)
+    q, k, v = (torch.randn(t, h, dim, device=DEVICE).to(dtype) for h in (hq, hk, hk))
 
     def ints(xs):
         return torch.tensor(xs, dtype=torch.int64, device=DEVICE)
 
+    plan = extend_plan(dtype, dim, gpu=DEVICE == "cuda")
+    if gpu_tiles:
+        plan = replace(plan, block_m=128, block_n=64, warps=8)
     got = triton_attention.extend_attention(
-        q, k, v, k_cache, v_cache, torch.cat(prefixes), ints([0, 0, 50]), ints(prefix_lens), ints([0, 45, 52]),
-        ints(ext_lens), max(ext_lens), 0.3,
+        q, k, v, k_cache, v_cache, torch.cat(prefixes), ints(list(accumulate(prefix_lens, initial=0))[:-1]),
+        ints(prefix_lens), ints(list(accumulate(ext_lens, initial=0))[:-1]), ints(ext_lens), max(ext_lens), 0.3,
+        plan=plan,
     )  # fmt: skip
-    want = reference_extend(q, k, v, k_cache, v_cache, prefixes, ext_lens, 0.3)
+    f32 = [x.float() for x in (q, k, v, k_cache, v_cache)]
+    return got, reference_extend(*f32, prefixes, ext_lens, 0.3)
+
+
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["own-tiles", "gpu-half-tiles"])
+@pytest.mark.parametrize("hq,hk,dim", [(4, 2, 16), (3, 3, 24)])
+def test_extend_over_cached_prefixes_and_fresh_prompts(hq, hk, dim, gpu_tiles):
+    """Three requests in one launch: a fresh prompt over more than one block of rows, one on a 50-slot prefix,
+    one token on a 3-slot prefix; float32 is exact to float32's rounding, with either tile shape."""
+    got, want = run_extend(hq, hk, dim, [0, 50, 3], [140, 7, 1], gpu_tiles=gpu_tiles)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["own-tiles", "gpu-half-tiles"])
+def test_extend_in_half_precision_within_its_rounding(dtype, gpu_tiles):
+    """Half precision: q and k, then the softmax weights and v, meet in half-precision dots (a GPU's tensor cores)
+    that sum in float32, as flash attention does; the output is within the dtype's rounding of float32 attention
+    over the same values. (Triton's interpreter takes bfloat16 dots in float32, float16's as they are.)"""
+    got, want = run_extend(4, 2, 32, [0, 50, 3], [70, 7, 1], dtype=dtype, gpu_tiles=gpu_tiles)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_extend_reads_a_bfloat16_pool_in_float32():
+    """A bfloat16 pool under a float32 model: the prefix rows are widened to float32, and the dots stay exact."""
+    got, want = run_extend(4, 2, 32, [20, 9], [5, 12], dtype=torch.float32, pool_dtype=torch.bfloat16)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

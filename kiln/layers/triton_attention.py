@@ -12,11 +12,21 @@ Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) on CPU 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kiln.layers.triton_import import available, check_runnable, tl, triton
 
-__all__ = ["available", "check_runnable", "decode_attention", "decode_splits", "extend_attention"]
+__all__ = [
+    "available",
+    "check_runnable",
+    "decode_attention",
+    "decode_splits",
+    "extend_attention",
+    "ExtendPlan",
+    "extend_plan",
+]
 
 
 def _pow2(n: int) -> int:
@@ -97,7 +107,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
         stride_ks, stride_kh, stride_vs, stride_vh,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -113,11 +123,14 @@ if triton is not None:
         mvalid = m < ext
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
+        # the dots take DOT, q's dtype (K and V rows are converted to it, as a bfloat16 or fp8 pool under another
+        # dtype needs): half precision runs on tensor cores accumulating in float32, float32 in IEEE float32 (the
+        # exact mode's arithmetic)
         q = tl.load(
             Q + (first + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
             mask=mvalid[:, None] & dmask[None, :],
             other=0.0,
-        ).to(tl.float32)
+        ).to(DOT)
         top = tl.full([BLOCK_M], -float("inf"), tl.float32)
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -129,9 +142,9 @@ if triton is not None:
             both = nvalid[:, None] & dmask[None, :]
             k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=both, other=0.0)
             v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=both, other=0.0)
-            score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            score = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * scale
             score = tl.where(nvalid[None, :], score, -float("inf"))
-            top, total, acc = _online_softmax_step(score, v, top, total, acc)
+            top, total, acc = _online_softmax_step(score, v.to(DOT), top, total, acc)
         # the request's own new tokens, causally, as computed (the pool's rounding is for later steps)
         for n0 in range(0, (blk + 1) * BLOCK_M, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -144,10 +157,10 @@ if triton is not None:
             v = tl.load(
                 Vnew + rows[:, None] * stride_vnt + kvh * stride_vnh + d[None, :], mask=both, other=0.0
             )
-            score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            score = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * scale
             keep = nvalid[None, :] & (n[None, :] <= m[:, None])
             score = tl.where(keep, score, -float("inf"))
-            top, total, acc = _online_softmax_step(score, v, top, total, acc)
+            top, total, acc = _online_softmax_step(score, v.to(DOT), top, total, acc)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
             Out + (first + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -162,7 +175,8 @@ if triton is not None:
         shift = tl.where(new_top == -float("inf"), 0.0, new_top)
         p = tl.exp(score - shift[:, None])
         alpha = tl.exp(top - shift)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        # the weights rounded to v's dtype for the tensor cores, as flash attention rounds them
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         total = total * alpha + tl.sum(p, 1)
         return new_top, total, acc
 
@@ -205,6 +219,30 @@ def decode_attention(
     return out
 
 
+@dataclass(frozen=True)
+class ExtendPlan:
+    """How the extend kernel is launched: its tiles (BLOCK_M query rows by BLOCK_N keys), warps, and the dtype its
+    dots take."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    dot: torch.dtype
+
+
+def extend_plan(dtype: torch.dtype, head_dim: int, gpu: bool) -> ExtendPlan:
+    """The launch for q in `dtype`, compiled for a GPU (gpu) or run in Triton's interpreter.
+
+    On a GPU, half precision takes SGLang's tiles for Hopper (tensor-core dots want large ones: 128 x 64, 32 x 64
+    past head dim 256; 8 warps past head dim 64) and dots in its own dtype; float32 keeps small tiles (IEEE dots
+    hold more registers). The interpreter runs small tiles (its speed), and bfloat16 dots in float32: it multiplies
+    bfloat16 dot operands wrongly (Triton 3.9), and float32 holds the same values and their exact products."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if gpu and half:
+        return ExtendPlan(128 if head_dim <= 256 else 32, 64, 8 if head_dim > 64 else 4, dtype)
+    return ExtendPlan(32, 32, 4, torch.float32 if dtype == torch.bfloat16 and not gpu else dtype)
+
+
 def extend_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -218,20 +256,22 @@ def extend_attention(
     ext_lens: torch.Tensor,
     max_ext: int,
     scale: float,
+    plan: ExtendPlan | None = None,
 ) -> torch.Tensor:
     """Each request's new tokens (rows ext_start[r] .. + ext_lens[r] of q [T, Hq, D], k, v [T, Hk, D]) over its
     cached prefix (pool slots prefix_slots[prefix_start[r] .. + prefix_lens[r]]) and themselves, causally ->
-    [T, Hq, D] in q's dtype."""
+    [T, Hq, D] in q's dtype. `plan` overrides extend_plan's (tests run the GPU's tiles in the interpreter)."""
     t, hq, dim = q.shape
     out = torch.empty_like(q)
     if t == 0:
         return out
-    block_m = 32
-    grid = (ext_lens.shape[0], hq, -(-max_ext // block_m))
+    plan = plan or extend_plan(q.dtype, dim, q.is_cuda)
+    grid = (ext_lens.shape[0], hq, -(-max_ext // plan.block_m))
     _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, prefix_slots, prefix_start, prefix_lens, ext_start, ext_lens, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        GROUP=hq // k.shape[1], D=dim, BLOCK_D=_pow2(dim), BLOCK_M=block_m, BLOCK_N=32,
+        GROUP=hq // k.shape[1], D=dim, BLOCK_D=_pow2(dim), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        DOT=getattr(tl, str(plan.dot).removeprefix("torch.")), num_warps=plan.warps, num_stages=1,
     )  # fmt: skip
     return out

@@ -12,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton 3.9 warns at every first compile that its default (fused multiply-adds) is about to change; Kiln keeps
+# them, as torch's own CUDA kernels are compiled with them
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 try:
     import triton

@@ -16,7 +16,7 @@ import kiln.distributed as distributed
 import kiln.memory.storage_tier as storage_tier
 import kiln.platform as platform
 from kiln.config import ServerArgs
-from kiln.core.dtypes import kv_torch_dtype, torch_dtype
+from kiln.core.dtypes import kv_cache_dtype_name, kv_torch_dtype, torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
 from kiln.layers.kernel_builds import build_kernels, kernels_for
 from kiln.loader.model_config import read_hf_config, resolve_model_path
@@ -115,6 +115,23 @@ def hybrid_refusal(args: ServerArgs, model_config: ModelConfig) -> str | None:
     if interval % page:  # checkpoints sit where the radix tree can split: at page ends
         return f"--mamba-track-interval {interval} must be a multiple of --page-size {page}"
     return None
+
+
+def attention_refusal(
+    args: ServerArgs, model_config: ModelConfig, kv_cache_dtype: str, capability: tuple[int, int] | None
+) -> str | None:
+    """A KV pool --attention-backend triton cannot read on this GPU (compute `capability`, None on the CPU):
+    Triton converts fp8 e4m3 only from compute capability 8.9 on. Latent attention (MLA) runs no Triton kernel."""
+    if args.attention_backend != "triton" or model_config.mla is not None or capability is None:
+        return None
+    if kv_cache_dtype != "fp8_e4m3" or capability >= (8, 9):
+        return None
+    major, minor = capability
+    return (
+        f"--attention-backend triton reads a --kv-cache-dtype fp8_e4m3 pool on compute capability 8.9 or newer "
+        f"(Ada, Hopper, Blackwell), and this GPU's is {major}.{minor}: use --kv-cache-dtype fp8_e5m2 (the same "
+        "bytes per token) or --attention-backend torch_native"
+    )
 
 
 def capture_graphs(
@@ -349,7 +366,11 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
         spec_settings = resolve_speculative(args, model_config.architecture)
     except ValueError as e:
         raise StartupRefused(str(e)) from e
-    refusal = hybrid_refusal(args, model_config)
+    capability = torch.cuda.get_device_capability() if device == "cuda" else None
+    kv_dtype = kv_cache_dtype_name(plan.inputs.kv_cache_dtype, plan.inputs.dtype)
+    refusal = hybrid_refusal(args, model_config) or attention_refusal(
+        args, model_config, kv_dtype, capability
+    )
     if refusal:
         raise StartupRefused(refusal)
     if device == "cpu":  # its own phase: a first build compiles for a minute or more

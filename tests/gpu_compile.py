@@ -1,0 +1,157 @@
+"""Compiles every Triton kernel launch Kiln makes on a GPU for an NVIDIA architecture, on a machine without one.
+
+Triton's interpreter, which the CPU tests run the kernels in, never compiles them: a kernel can pass there and fail
+to compile for the GPU (a dtype a dot does not take, a loop-carried value that changes type, a block too large for
+shared memory). This script records the launches of Kiln's kernel wrappers (attention, fused norm / activation /
+rotary) at the dtypes and shapes a GPU serves, with the launch choices the GPU makes, and compiles each for the
+architecture through Triton's own binder and compiler, down to a cubin (Triton ships ptxas). Prints one JSON line per
+launch: kernel, dtypes, shared memory, and the tensor-core instructions in its PTX.
+
+    TRITON_INTERPRET=0 python tests/gpu_compile.py --arch 90
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, not the interpreter's: before Triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from kiln.layers import triton_attention, triton_fused  # noqa: E402
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+    what: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch instead of running it."""
+
+    def __init__(self, kernel: JITFunction, launches: list[Launch]):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(Launch(self.kernel, args, kwargs))
+
+
+def kernels() -> list[tuple[object, str, JITFunction]]:
+    """Kiln's Triton kernels: (module, name, kernel); their jitted helpers are compiled into them."""
+    return [
+        (module, name, obj)
+        for module in (triton_attention, triton_fused)
+        for name, obj in vars(module).items()
+        if isinstance(obj, JITFunction) and name.endswith("_kernel")
+    ]
+
+
+def record_launches(arch: int) -> list[Launch]:
+    """Kiln's kernel wrappers called as a GPU of compute capability `arch` serving them calls them, with each kernel
+    replaced by a Recorder."""
+    launches: list[Launch] = []
+    for module, name, kernel in kernels():
+        setattr(module, name, Recorder(kernel, launches))
+
+    def call(fn, *args, **what) -> None:
+        before = len(launches)
+        fn(*args)
+        for launch in launches[before:]:
+            launch.what = {k: str(v).removeprefix("torch.") for k, v in what.items()}
+
+    for dtype, pool_dtype, dim, fn, args in attention_calls(arch):
+        call(fn, *args, op=fn.__name__, dtype=dtype, pool=pool_dtype, head_dim=dim)
+    for dtype in HALF:
+        for fn, args in fused_calls(dtype):
+            call(fn, *args, op=fn.__name__, dtype=dtype)
+    return launches
+
+
+def attention_calls(arch: int):
+    """Decode and extend as a Llama-3-8B-shaped model's layers launch them (32 query heads over 8 KV heads, head
+    dim 128; and head dim 64), in each model dtype over each pool dtype it can run with, with the plan a GPU
+    takes. fp8 e4m3 pools from compute capability 8.9 on (Kiln refuses them with this backend below that)."""
+    fp8 = torch.float8_e4m3fn if arch >= 89 else torch.float8_e5m2
+    pools = {torch.bfloat16: [torch.bfloat16, fp8], torch.float16: [torch.float16],
+             torch.float32: [torch.float32, torch.bfloat16]}  # fmt: skip
+    for dtype, pool_dtypes in pools.items():
+        for pool_dtype, dim in itertools.product(pool_dtypes, (128, 64)):
+            q = torch.empty(4, 32, dim, dtype=dtype)
+            k_cache = torch.empty(64, 8, dim, dtype=pool_dtype)
+            table = torch.zeros(4, 40, dtype=torch.int64)
+            mask = torch.ones(4, 40, dtype=torch.bool)
+            for m, splits in ((mask, 8), (None, 1)):
+                yield dtype, pool_dtype, dim, triton_attention.decode_attention, (
+                    q, k_cache, k_cache, table, m, 0.1, splits
+                )  # fmt: skip
+            qe = torch.empty(30, 32, dim, dtype=dtype)
+            ke = torch.empty(30, 8, dim, dtype=dtype)
+            ints = torch.zeros(2, dtype=torch.int64)
+            plan = triton_attention.extend_plan(dtype, dim, gpu=True)
+            yield dtype, pool_dtype, dim, triton_attention.extend_attention, (
+                qe, ke, ke, k_cache, k_cache, torch.zeros(10, dtype=torch.int64), ints, ints, ints, ints, 15, 0.1,
+                plan,
+            )  # fmt: skip
+
+
+def fused_calls(dtype: torch.dtype):
+    """RMSNorm (with and without the residual add), SiLU-and-multiply and rotary at 8B's widths (rotary on q as a
+    strided view of the merged qkv projection)."""
+    x = torch.empty(5, 4096, dtype=dtype)
+    w = torch.empty(4096, dtype=dtype)
+    qkv = torch.empty(5, 48, 128, dtype=dtype)
+    yield triton_fused.rms_norm, (x, w, 1e-5)
+    yield triton_fused.add_rms_norm, (x, x, w, 1e-5)
+    yield triton_fused.silu_and_mul, (torch.empty(5, 2 * 14336, dtype=dtype),)
+    yield triton_fused.rotary, (qkv[:, :32], torch.empty(2, 5, 1, 128, dtype=dtype))
+
+
+def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict, target: GPUTarget):
+    """The kernel compiled as JITFunction.run compiles it for these arguments, for `target`."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(
+        ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
+    args = ap.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    names = {name for _, name, _ in kernels()}
+    launches = record_launches(args.arch)
+    for launch in launches:
+        compiled = compile_launch(launch.kernel, launch.args, launch.kwargs, target)
+        ptx = compiled.asm["ptx"]
+        print(json.dumps({
+            "kernel": launch.kernel.__name__, **launch.what,
+            "shared": compiled.metadata.shared, "mma": len(re.findall(r"\b(?:wgmma|mma)\.", ptx)),
+        }))  # fmt: skip
+    missed = names - {launch.kernel.__name__ for launch in launches}
+    if missed:
+        print(f"never launched here, so not compiled: {sorted(missed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Kiln's Triton kernels compiled for NVIDIA GPUs, on any machine (tests/gpu_compile.py records the launches a GPU
+makes and compiles each down to a cubin): the CPU tests run the kernels in Triton's interpreter, which never
+compiles them, so a kernel that only the GPU's compiler refuses would otherwise first fail on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")  # its compiler and ptxas ship in Triton's wheel
+
+SCRIPT = Path(__file__).with_name("gpu_compile.py")
+
+
+@pytest.mark.parametrize("arch", [90, 80], ids=["sm90-hopper", "sm80-ampere"])
+def test_every_kernel_compiles_for_the_gpu(arch, tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--arch", str(arch)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    launches = [json.loads(line) for line in done.stdout.splitlines()]
+    ops = {(x["kernel"], x["dtype"]) for x in launches}
+    assert {
+        (k, d) for k in ("_decode_split_kernel", "_extend_kernel") for d in ("bfloat16", "float32")
+    } <= ops
+    extend = [x for x in launches if x["kernel"] == "_extend_kernel"]
+    # half precision's extend runs its dots on tensor cores; float32's stay IEEE float32 (the exact mode)
+    assert all(x["mma"] > 0 for x in extend if x["dtype"] != "float32")
+    assert all(x["mma"] == 0 for x in extend if x["dtype"] == "float32")
+    if arch < 89:  # no fp8 e4m3 pool below 8.9: Kiln refuses it with this backend there
+        assert not any(x.get("pool") == "float8_e4m3fn" for x in launches)
+    else:
+        assert any(x.get("pool") == "float8_e4m3fn" for x in launches)
+
+
+def test_an_fp8_e4m3_pool_is_refused_below_compute_capability_8_9():
+    from types import SimpleNamespace
+
+    from kiln.scheduler.launch import attention_refusal
+
+    args, llama = SimpleNamespace(attention_backend="triton"), SimpleNamespace(mla=None)
+    refusal = attention_refusal(args, llama, "fp8_e4m3", (8, 0))
+    assert (
+        "8.0" in refusal
+        and "--kv-cache-dtype fp8_e5m2" in refusal
+        and "--attention-backend torch_native" in refusal
+    )
+    assert attention_refusal(args, llama, "fp8_e4m3", (9, 0)) is None
+    assert attention_refusal(args, llama, "fp8_e5m2", (8, 0)) is None
+    assert attention_refusal(args, llama, "fp8_e4m3", None) is None  # the CPU: the interpreter converts it
+    assert attention_refusal(SimpleNamespace(attention_backend=None), llama, "fp8_e4m3", (8, 0)) is None
+    assert attention_refusal(args, SimpleNamespace(mla=object()), "fp8_e4m3", (8, 0)) is None
