@@ -97,7 +97,7 @@ def attention_calls(arch: int):
             mask = torch.ones(4, 40, dtype=torch.bool)
             for m, splits in ((mask, 8), (None, 1)):
                 yield dtype, pool_dtype, dim, triton_attention.decode_attention, (
-                    q, k_cache, k_cache, table, m, 0.1, splits
+                    q, k_cache, k_cache, table, m, 0.1, splits, triton_attention.dot_dtype(dtype, gpu=True)
                 )  # fmt: skip
             qe = torch.empty(30, 32, dim, dtype=dtype)
             ke = torch.empty(30, 8, dim, dtype=dtype)

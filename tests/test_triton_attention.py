@@ -75,6 +75,23 @@ def test_decode_mask_holes_and_no_mask():
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hk", [(8, 2), (34, 2)], ids=["group-4", "group-17"])
+def test_decode_in_half_precision_within_its_rounding(dtype, hq, hk):
+    """Half-precision decode: each KV head's query heads as one tile of a dot (17 of them pad to a 32-row tile),
+    the softmax weights rounded to v's dtype as flash attention rounds them, sums in float32; within the dtype's
+    rounding of float32 attention over the same values."""
+    k_cache, v_cache = pool(300, hk, 64, dtype)
+    table = (torch.randperm(299, generator=torch.Generator().manual_seed(3))[:180] + 1).view(3, 60).to(DEVICE)
+    mask = torch.ones(3, 60, dtype=torch.bool, device=DEVICE)
+    mask[1, 40:] = False
+    q = torch.randn(3, hq, 64, device=DEVICE).to(dtype)
+    got = triton_attention.decode_attention(q, k_cache, v_cache, table, mask, 0.125, 4)
+    assert got.dtype == dtype
+    want = reference_decode(q.float(), k_cache.float(), v_cache.float(), table, mask, 0.125)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
 def test_decode_reads_a_bfloat16_pool_in_float32():
     k_cache, v_cache = pool(50, 2, 32, torch.bfloat16)
     table = torch.arange(1, 41, device=DEVICE).view(2, 20)

@@ -1,11 +1,14 @@
 """Attention kernels in Triton that read the paged KV pool in place, in the manner of SGLang's Triton backend.
 
-Decode is split-K: each (request, query head) has its KV slots cut into `splits` chunks, a first kernel computes each
-chunk's softmax-weighted sum of V and its log-sum-exp, and a second merges the chunks, so a long context spreads
-over many programs rather than one. Extend runs each request's new tokens in blocks of rows over its cached prefix
-(read from the pool through its slots) and then over its own new K and V, causally, with an online softmax.
+Decode is split-K: each (request, KV head) has its KV slots cut into `splits` chunks, a first kernel computes each
+chunk's softmax-weighted sum of V and its log-sum-exp for all the query heads that share the KV head (one tile, so
+a K or V row is read once for the group, SGLang's grouped decode), and a second merges the chunks, so a long
+context spreads over many programs rather than one. Extend runs each request's new tokens in blocks of rows over
+its cached prefix (read from the pool through its slots) and then over its own new K and V, causally, with an
+online softmax.
 
-Everything accumulates in float32 whatever the pool's dtype. The kernels take plain tensors and integers only, no
+Dots take q's dtype (dot_dtype): half precision on tensor cores, float32 in IEEE float32; everything accumulates in
+float32 whatever the pool's dtype. The kernels take plain tensors and integers only, no
 host-side work between launches, so a captured step can replay them. On a machine without a GPU, tests run them in
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) on CPU tensors.
 """
@@ -25,6 +28,7 @@ __all__ = [
     "decode_splits",
     "extend_attention",
     "ExtendPlan",
+    "dot_dtype",
     "extend_plan",
 ]
 
@@ -40,22 +44,30 @@ if triton is not None:
         Q, K, V, Table, Mask, MidO, MidLse, scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_mb,
         width,
-        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
-        h = tl.program_id(1)
+        kvh = tl.program_id(1)
         s = tl.program_id(2)
-        kvh = h // GROUP
         per_split = tl.cdiv(width, SPLITS)
         start = s * per_split
         end = tl.minimum(start + per_split, width)
+        # the GROUP query heads that share KV head kvh, as rows of one tile (padded to BLOCK_H, at least a dot's
+        # 16): each K and V row is read once for all of them, not once per query head
+        g = tl.arange(0, BLOCK_H)
+        heads = kvh * GROUP + g
+        hmask = g < GROUP
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
-        q = tl.load(Q + b * stride_qb + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
-        top = -float("inf")
-        total = 0.0
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=hmask[:, None] & dmask[None, :],
+            other=0.0,
+        ).to(DOT)
+        top = tl.full([BLOCK_H], -float("inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
@@ -64,21 +76,14 @@ if triton is not None:
             slot = tl.load(Table + b * stride_tb + n, mask=valid, other=0)
             both = valid[:, None] & dmask[None, :]
             k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=both, other=0.0)
-            score = tl.sum(q[None, :] * k.to(tl.float32), 1) * scale
-            score = tl.where(valid, score, -float("inf"))
-            new_top = tl.maximum(top, tl.max(score, 0))
-            # a chunk with no valid slot so far keeps top at -inf: shift by 0 then, not by -inf
-            shift = tl.where(new_top == -float("inf"), 0.0, new_top)
-            p = tl.exp(score - shift)
-            alpha = tl.exp(top - shift)
             v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=both, other=0.0)
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-            total = total * alpha + tl.sum(p, 0)
-            top = new_top
-        row = (b * tl.num_programs(1) + h) * SPLITS + s
+            score = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * scale
+            score = tl.where(valid[None, :], score, -float("inf"))
+            top, total, acc = _online_softmax_step(score, v.to(DOT), top, total, acc)
+        rows = (b * tl.num_programs(1) * GROUP + heads) * SPLITS + s
         safe = tl.where(total > 0, total, 1.0)
-        tl.store(MidO + row * BLOCK_D + d, acc / safe)
-        tl.store(MidLse + row, tl.where(total > 0, top + tl.log(safe), -float("inf")))
+        tl.store(MidO + rows[:, None] * BLOCK_D + d[None, :], acc / safe[:, None], mask=hmask[:, None])
+        tl.store(MidLse + rows, tl.where(total > 0, top + tl.log(safe), -float("inf")), mask=hmask)
 
     @triton.jit
     def _decode_merge_kernel(
@@ -187,6 +192,18 @@ def decode_splits(width: int, max_splits: int, per_split: int) -> int:
     return max(1, min(max_splits, -(-width // per_split)))
 
 
+def dot_dtype(dtype: torch.dtype, gpu: bool) -> torch.dtype:
+    """The dtype the attention kernels' dots take for q in `dtype`: its own (half precision on tensor cores,
+    accumulating in float32; float32 in IEEE float32, the exact mode's arithmetic), except bfloat16 in Triton's
+    interpreter, which multiplies bfloat16 dot operands wrongly (Triton 3.9): float32 there, which holds the same
+    values and their exact products."""
+    return torch.float32 if dtype == torch.bfloat16 and not gpu else dtype
+
+
+def _tl(dtype: torch.dtype):
+    return getattr(tl, str(dtype).removeprefix("torch."))
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -195,22 +212,25 @@ def decode_attention(
     mask: torch.Tensor | None,
     scale: float,
     splits: int,
+    dot: torch.dtype | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] over each row's KV slots `table` [B, L] (valid where `mask` [B, L], all when None) in the pool
-    k_cache / v_cache [S, Hk, D] -> [B, Hq, D] in q's dtype."""
+    k_cache / v_cache [S, Hk, D] -> [B, Hq, D] in q's dtype. `dot` overrides dot_dtype's choice."""
     b, hq, dim = q.shape
     hk = k_cache.shape[1]
+    group = hq // hk
     block_d = _pow2(dim)
     mid_o = torch.empty(b, hq, splits, block_d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     has_mask = mask is not None
     mask_arg = mask if has_mask else table
-    _decode_split_kernel[(b, hq, splits)](
+    _decode_split_kernel[(b, hk, splits)](
         q, k_cache, v_cache, table, mask_arg, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         table.stride(0), mask_arg.stride(0), table.shape[1],
-        GROUP=hq // hk, D=dim, BLOCK_D=block_d, BLOCK_N=32, SPLITS=splits, HAS_MASK=has_mask,
+        GROUP=group, BLOCK_H=_pow2(group), D=dim, BLOCK_D=block_d, BLOCK_N=32, SPLITS=splits, HAS_MASK=has_mask,
+        DOT=_tl(dot or dot_dtype(q.dtype, q.is_cuda)),
     )  # fmt: skip
     _decode_merge_kernel[(b, hq)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1),
@@ -234,13 +254,12 @@ def extend_plan(dtype: torch.dtype, head_dim: int, gpu: bool) -> ExtendPlan:
     """The launch for q in `dtype`, compiled for a GPU (gpu) or run in Triton's interpreter.
 
     On a GPU, half precision takes SGLang's tiles for Hopper (tensor-core dots want large ones: 128 x 64, 32 x 64
-    past head dim 256; 8 warps past head dim 64) and dots in its own dtype; float32 keeps small tiles (IEEE dots
-    hold more registers). The interpreter runs small tiles (its speed), and bfloat16 dots in float32: it multiplies
-    bfloat16 dot operands wrongly (Triton 3.9), and float32 holds the same values and their exact products."""
+    past head dim 256; 8 warps past head dim 64); float32 keeps small tiles (IEEE dots hold more registers), and so
+    does the interpreter (its speed). Dots take dot_dtype's."""
     half = dtype in (torch.float16, torch.bfloat16)
     if gpu and half:
         return ExtendPlan(128 if head_dim <= 256 else 32, 64, 8 if head_dim > 64 else 4, dtype)
-    return ExtendPlan(32, 32, 4, torch.float32 if dtype == torch.bfloat16 and not gpu else dtype)
+    return ExtendPlan(32, 32, 4, dot_dtype(dtype, gpu))
 
 
 def extend_attention(
@@ -272,6 +291,6 @@ def extend_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=hq // k.shape[1], D=dim, BLOCK_D=_pow2(dim), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        DOT=getattr(tl, str(plan.dot).removeprefix("torch.")), num_warps=plan.warps, num_stages=1,
+        DOT=_tl(plan.dot), num_warps=plan.warps, num_stages=1,
     )  # fmt: skip
     return out
