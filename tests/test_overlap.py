@@ -12,6 +12,7 @@ import time
 import pytest
 
 import kiln
+from kiln.core.forward_batch import ForwardMode
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq
 from kiln.scheduler.overlap import ForwardThread
@@ -232,6 +233,38 @@ def test_a_flush_right_after_a_stop_seen_late(engines):
     assert sched.in_flight is not None  # the row of the step launched before the stop was seen
     assert sched.flush_cache()
     assert sched.in_flight is None and sched.kv.cache_tokens() == 0 and overlap.check_integrity()["ok"]
+
+
+def test_the_decode_log_reports_each_steps_own_graph_flag(engines, monkeypatch):
+    """The decode log line's "cuda graph" is the logged step's own: by the time a step is taken in, the runner's
+    flag belongs to the step launched after it. Here every other decode step claims a graph, and each step is taken
+    in only once the next has run."""
+    _, overlap = engines
+    runner = overlap.scheduler.runner
+    real_forward = runner.forward
+    claimed: list[bool] = []
+    logged: list[bool] = []
+
+    def forward(fb):
+        out = real_forward(fb)
+        if fb.mode == ForwardMode.DECODE:
+            runner.last_forward_graph = len(claimed) % 2 == 0
+            claimed.append(runner.last_forward_graph)
+        return out
+
+    real_take = Scheduler._take_step
+
+    def take_after_the_next(self, step):
+        if self.in_flight is not None:
+            self.in_flight.result.exception()  # waits for the step launched after this one
+        real_take(self, step)
+
+    monkeypatch.setattr(runner, "forward", forward)
+    monkeypatch.setattr(Scheduler, "_take_step", take_after_the_next)
+    monkeypatch.setattr(Scheduler, "_log_decode", lambda self, batch, graphed: logged.append(graphed))
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    overlap.generate(input_ids=PROMPTS[:2], sampling_params=greedy)
+    assert len(claimed) >= 6 and logged == claimed
 
 
 def test_pages_of_four_tokens(tiny_llama, monkeypatch):

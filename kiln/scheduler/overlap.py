@@ -29,17 +29,26 @@ from kiln.scheduler.req import Req
 
 
 @dataclass
+class StepResult:
+    """What a launched step gives back: its sampled tokens, and whether it replayed a captured graph (the runner's
+    flag by then may be the next step's)."""
+
+    sampled: SampleOutput
+    graphed: bool
+
+
+@dataclass
 class InFlight:
-    """A launched decode step: its requests (row order) and its sampled tokens, when they come."""
+    """A launched decode step: its requests (row order) and its result, when it comes."""
 
     reqs: list[Req]
-    tokens: Future[SampleOutput]
+    result: Future[StepResult]
 
 
 class ForwardThread:
     """One thread that runs decode steps in launch order: forward, then sampling."""
 
-    def __init__(self, step: Callable[[ForwardBatch, list[SamplingRow]], SampleOutput]):
+    def __init__(self, step: Callable[[ForwardBatch, list[SamplingRow]], StepResult]):
         self.step = step  # forward + sample: the scheduler's runner and sampler
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-forward")
 
@@ -60,10 +69,10 @@ class ForwardThread:
         rows: list[SamplingRow],
         after: InFlight | None,
         source: list[int | None] | None,
-    ) -> SampleOutput:
+    ) -> StepResult:
         if after is not None:
             # raises where that step failed: this one fails with it
-            tokens = after.tokens.result().next_token_ids
+            tokens = after.result.result().sampled.next_token_ids
             for j, i in enumerate(source):
                 if i is not None:
                     fb.input_ids[j] = tokens[i]
@@ -105,9 +114,10 @@ class OverlapSchedule:
     forward_thread: ForwardThread | None
     in_flight: InFlight | None
 
-    def _forward_and_sample(self, fb, rows: list[SamplingRow]) -> SampleOutput:
+    def _forward_and_sample(self, fb, rows: list[SamplingRow]) -> StepResult:
         """A launched step, on the forward thread."""
-        return sample_step(self.runner.forward(fb), rows)
+        logits = self.runner.forward(fb)
+        return StepResult(sample_step(logits, rows), self.runner.last_forward_graph)
 
     def _chains(self) -> bool:
         """Whether this step is plain decode the forward thread can run one step ahead (the module says when)."""
@@ -149,7 +159,7 @@ class OverlapSchedule:
     def _take_step(self, step: InFlight) -> None:
         """A launched step's tokens, taken in: rows of requests that ended meanwhile give back their extra slot."""
         try:
-            result = step.tokens.result()
+            result = step.result.result()
         except Exception as e:
             self._fail_steps(step, e)
             return
@@ -160,10 +170,11 @@ class OverlapSchedule:
             else:
                 live.append(i)
         if live:
-            ids, logprobs, top = result.next_token_ids, result.logprobs, result.top_logprobs
+            sampled = result.sampled
+            ids, logprobs, top = sampled.next_token_ids, sampled.logprobs, sampled.top_logprobs
             picked = SampleOutput([ids[i] for i in live], [logprobs[i] for i in live], [top[i] for i in live])
             self._take_tokens([step.reqs[i] for i in live], picked)
-            self._decoded(len(live))
+            self._decoded(len(live), result.graphed)
 
     def _cache_extra_row(self, req: Req) -> None:
         """A request that ended (EOS, a stop) after the next step had been launched with it: that step's row is
@@ -190,7 +201,7 @@ class OverlapSchedule:
     def _settle(self, step: InFlight) -> list[Req]:
         """Waits for a step whose tokens will not be taken and drops the extra rows of its requests that already
         ended; returns the others (a failed step's error is the caller's to report)."""
-        step.tokens.exception()
+        step.result.exception()
         for r in step.reqs:
             if r.finished:
                 self._cache_extra_row(r)

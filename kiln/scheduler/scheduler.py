@@ -373,16 +373,17 @@ class Scheduler(OverlapSchedule):
         if produced is None:
             produced = self._decode_one_token()
         if produced:
-            self._decoded(produced)
+            self._decoded(produced, self.runner.last_forward_graph)
 
-    def _decoded(self, produced: int) -> None:
-        """A decode step's bookkeeping: the step count, the new-token ratio's decay, the decode log line."""
+    def _decoded(self, produced: int, graphed: bool) -> None:
+        """A decode step's bookkeeping: the step count, the new-token ratio's decay, the decode log line (graphed:
+        whether the step replayed a captured graph)."""
         self.counters.decode_steps += 1
         self.new_token_ratio = max(
             self.min_ratio,
             self.new_token_ratio - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
         )
-        self._log_decode(produced)
+        self._log_decode(produced, graphed)
 
     def _decode_one_token(self) -> int:
         """A plain decode step: one token for every running request; the number of requests it ran (0 when
@@ -525,7 +526,7 @@ class Scheduler(OverlapSchedule):
             f"input throughput (token/s): {new_tokens / max(self.runner.last_forward_seconds, 1e-9):.2f}"
         )
 
-    def _log_decode(self, batch: int) -> None:
+    def _log_decode(self, batch: int, graphed: bool) -> None:
         self._decode_tokens_since_log += batch
         if self.counters.decode_steps % self.decode_log_interval or distributed.tp_rank() != 0:
             return
@@ -535,7 +536,7 @@ class Scheduler(OverlapSchedule):
         self._decode_tokens_since_log, self._decode_log_t0 = 0, now
         logger.info(
             f"Decode batch, #running-req: {len(self.running)}, #token: {self.used_tokens()}, "
-            f"token usage: {self.token_usage():.2f}, cuda graph: {self.runner.last_forward_graph}, gen throughput (token/s): {tput:.2f}, "
+            f"token usage: {self.token_usage():.2f}, cuda graph: {graphed}, gen throughput (token/s): {tput:.2f}, "
             f"{self._spec_log()}#queue-req: {len(self.waiting)}{self._comm_share(elapsed)}"
         )
 
