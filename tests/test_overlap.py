@@ -10,6 +10,7 @@ import random
 import time
 
 import pytest
+import torch
 
 import kiln
 from kiln.core.forward_batch import ForwardMode
@@ -349,3 +350,41 @@ def test_random_traffic_as_the_plain_scheduler(engines, seed, monkeypatch):
             assert got[rid][:-1] == [t for t in want[rid] if isinstance(t, int)][: len(got[rid]) - 1]
         else:
             assert got[rid] == want[rid], rid
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_building_a_decode_step_waits_for_nothing_on_the_gpu(tiny_llama):
+    """What the overlap schedule does on the host while the step before runs, slot allocation and the step's
+    tensors (pages of one token), synchronizes nothing with the GPU: torch's sync check set to raise around it."""
+    from kiln.scheduler.batch import build_decode
+
+    engine = kiln.Engine(model_path=tiny_llama, device="cuda", disable_cuda_graph=True, max_total_tokens=2048)
+    sched = engine.scheduler
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True).normalize()
+        for i, prompt in enumerate(PROMPTS):
+            sched.add_request(GenerateReq(f"s{i}", prompt, params))
+        steps_until(sched, lambda: len(sched.running) == len(PROMPTS) and not sched.waiting)
+        sched.drain()
+        reqs = list(sched.running)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            slots = sched.kv.alloc_decode(reqs)
+            fb = build_decode(reqs, sched.kv.table, slots)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for r in reqs:  # the slots are the requests' now: released with them
+            r.kv_len += 1
+        assert fb.kv_mask is not None and fb.kv_table.is_cuda  # rows of different lengths: the mask was built
+        rows = torch.tensor([r.table_idx for r in reqs])
+        assert torch.equal(
+            fb.out_cache_loc, sched.kv.table.req_to_token[rows, torch.tensor([r.kv_len - 1 for r in reqs])]
+        )
+    finally:
+        sched.abort(AbortReq(abort_all=True))
+        while sched.has_work:
+            sched.step()
+        assert engine.check_integrity()["ok"]
+        engine.shutdown()

@@ -130,11 +130,13 @@ class TokenAllocator:
             slots = torch.where(pos < partial_end, slots, fresh)
         return slots
 
-    def alloc_decode(self, seq_lens: list[int], last_slots: list[int]) -> torch.Tensor | None:
-        """One new slot per sequence (sequence ``j`` holds ``seq_lens[j]`` tokens, the last at ``last_slots[j]``)."""
+    def alloc_decode(self, seq_lens: list[int], last_slots: list[int] | None) -> torch.Tensor | None:
+        """One new slot per sequence (sequence ``j`` holds ``seq_lens[j]`` tokens, the last at ``last_slots[j]``;
+        pages of one token need no last slots)."""
         ps = self.page_size
         if ps == 1:
             return self._take_pages(len(seq_lens))
+        assert last_slots is not None, "pages of several tokens place each new token after its last slot"
         needs = [n % ps == 0 for n in seq_lens]
         pages = self._take_pages(sum(needs))
         if pages is None:

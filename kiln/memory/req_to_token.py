@@ -39,17 +39,31 @@ class ReqToTokenPool:
         self._in_use[idx] = False
         self._free.append(idx)
 
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the table's device. On a GPU it goes through pinned memory without waiting: a plain copy
+        from pageable memory waits for the stream's work, and the overlap schedule builds the next step while the
+        stream runs this one."""
+        if self.device.type != "cuda" or t.device == self.device:
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def write(self, rows: list[int], columns: list[int], slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], columns[i]] = slots[i], without waiting for the device (on_device)."""
+        index = self.on_device(torch.tensor([rows, columns], dtype=torch.int64))
+        self.req_to_token[index[0], index[1]] = slots
+
     def decode_table(
         self, rows: torch.Tensor, seq_lens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A decode batch's [B, L] slots (row i: the first seq_lens[i] slots of table row rows[i], padded with slot
-        0) and its [B, 1, 1, L] validity mask, None where every row is L long."""
+        0) and its [B, 1, 1, L] validity mask, None where every row is L long; both on the table's device, built
+        without waiting for it (rows and seq_lens are host tensors)."""
         width = int(seq_lens.max())
-        kv_table = self.req_to_token[rows, :width]
+        kv_table = self.req_to_token[self.on_device(rows), :width]
         if int(seq_lens.min()) == width:
             return kv_table, None
-        valid = torch.arange(width).unsqueeze(0) < seq_lens.unsqueeze(1)
-        kv_table = kv_table.masked_fill(~valid.to(kv_table.device), 0)
+        valid = torch.arange(width, device=self.device) < self.on_device(seq_lens).unsqueeze(1)
+        kv_table = kv_table.masked_fill(~valid, 0)
         return kv_table, valid.view(len(seq_lens), 1, 1, width)
 
     def branch_table(

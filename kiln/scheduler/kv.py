@@ -82,15 +82,18 @@ class KVManager:
         return True
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
-        """One slot per request for its next token, written into its table row."""
+        """One slot per request for its next token, written into its table row. With pages of one token nothing
+        here waits for the device: the overlap schedule calls it while the step before runs."""
         if not self.ensure_free(len(reqs) * self.page_size):
             return None
-        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
+        rows = [r.table_idx for r in reqs]
         lens = [r.kv_len for r in reqs]
-        last = self.table.req_to_token[rows, torch.tensor(lens, dtype=torch.int64) - 1].tolist()
+        last = None
+        if self.page_size > 1:  # where in its page each token goes: read back from the table
+            last = self.table.req_to_token[torch.tensor(rows), torch.tensor(lens) - 1].tolist()
         slots = self.allocator.alloc_decode(lens, last)
         if slots is not None:
-            self.table.req_to_token[rows, torch.tensor(lens)] = slots
+            self.table.write(rows, lens, slots)
         return slots
 
     def alloc_verify(self, reqs: list[Req], counts: list[int]) -> bool:
