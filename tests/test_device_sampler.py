@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kiln.runner.device_sampler import SamplingBatch, sample_on_device, sample_packed, unpack
+from kiln.runner.device_sampler import PendingSample, SamplingBatch, sample_on_device, sample_packed, unpack
 from kiln.runner.sampler import SamplingRow, sample, target_probs
 from kiln.sampling_params import SamplingParams
 
@@ -139,3 +139,28 @@ def test_the_device_work_waits_for_nothing(monkeypatch):
     with Syncs() as syncs:
         sample(logits.cpu(), mixed_rows(grammar_mask()))
     assert syncs.seen
+
+
+def test_a_pending_sample_launches_without_waiting_and_reads_back_the_samplers_tokens():
+    """The overlap schedule's launched sampling (PendingSample): its chosen ids stay where the logits are, for the
+    next step to read, and its result is the sampler's (sample_on_device's on a GPU, the CPU sampler's on the
+    CPU), for mixed rows and for plain greedy ones. On a GPU launching it waits for nothing (torch's sync check
+    raises): the read-back is a pinned copy under way, waited for by `result` alone."""
+    logits = logits_for(8)
+    greedy_rows = [SamplingRow(SamplingParams(temperature=0.0), None, [], []) for _ in range(8)]
+    want = (sample_on_device if DEVICE == "cuda" else sample)(logits, mixed_rows(grammar_mask()))
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        mixed = PendingSample(logits, mixed_rows(grammar_mask()))
+        greedy = PendingSample(logits, greedy_rows)
+    finally:
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert mixed.ids.device.type == DEVICE and mixed.ids.dtype == torch.int64
+    got = mixed.result()
+    assert mixed.ids.tolist() == got.next_token_ids == want.next_token_ids
+    assert got.logprobs == pytest.approx(want.logprobs) and got.top_logprobs == want.top_logprobs
+    argmax = logits.argmax(-1).tolist()
+    assert greedy.ids.tolist() == greedy.result().next_token_ids == argmax

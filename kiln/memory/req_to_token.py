@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.core.transfer import to_device
+
 
 class ReqToTokenPool:
     """A fixed table ``req_to_token[size, max_context_len]`` (int64, so it indexes the KV pool directly)."""
@@ -40,12 +42,9 @@ class ReqToTokenPool:
         self._free.append(idx)
 
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the table's device. On a GPU it goes through pinned memory without waiting: a plain copy
-        from pageable memory waits for the stream's work, and the overlap schedule builds the next step while the
-        stream runs this one."""
-        if self.device.type != "cuda" or t.device == self.device:
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        """A host tensor on the table's device, without waiting for it (kiln.core.transfer): the overlap schedule
+        builds the next step while the stream runs this one."""
+        return to_device(t, self.device)
 
     def write(self, rows: list[int], columns: list[int], slots: torch.Tensor) -> None:
         """req_to_token[rows[i], columns[i]] = slots[i], without waiting for the device (on_device)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kiln.core.transfer import read_back, to_device
 from kiln.runner.sampler import (
     SampleOutput,
     SamplingRow,
@@ -31,7 +32,7 @@ from kiln.runner.sampler import (
     wants_logprobs,
 )
 
-__all__ = ["SamplingBatch", "sample_on_device", "sample_packed", "sample_step", "unpack"]
+__all__ = ["PendingSample", "SamplingBatch", "sample_on_device", "sample_packed", "sample_step", "unpack"]
 
 
 def _padded(seqs: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
@@ -136,10 +137,7 @@ class SamplingBatch:
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                empty = value.numel() == 0
-                value = value.to(device) if empty else value.pin_memory().to(device, non_blocking=True)
-            moved[f.name] = value
+            moved[f.name] = to_device(value, device) if isinstance(value, torch.Tensor) else value
         return SamplingBatch(**moved)
 
 
@@ -223,6 +221,40 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOut
     """The sampler's `sample` for logits on a GPU, with one host sync (see the module docstring)."""
     batch = SamplingBatch.build(rows, logits.shape[-1]).to(logits.device)
     return unpack(sample_packed(logits, batch), batch)
+
+
+class PendingSample:
+    """A step's sampling, launched and not waited for: its chosen ids on the logits' device, which the next step
+    reads as its input ids with no host sync (the overlap schedule, as SGLang resolves its future token ids on the
+    device), and the read-back of everything under way, waited for when the host takes the tokens (`result`)."""
+
+    def __init__(self, logits: torch.Tensor, rows: list[SamplingRow]):
+        n = len(rows)
+        self._out: SampleOutput | None = None
+        self._batch: SamplingBatch | None = None
+        if logits.device.type == "cpu":  # the CPU sampler, done: its tokens are on the host already
+            self._out = sample(logits, rows)
+            self.ids = torch.tensor(self._out.next_token_ids, dtype=torch.int64)
+            return
+        if all(is_plain_greedy(r) for r in rows):
+            self.ids = logits.argmax(-1)
+            packed = self.ids
+        else:
+            self._batch = SamplingBatch.build(rows, logits.shape[-1]).to(logits.device)
+            packed = sample_packed(logits, self._batch)
+            self.ids = packed[:n].long()
+        self._host, self._wait = read_back(packed)
+
+    def result(self) -> SampleOutput:
+        """The tokens (and logprobs) on the host: waits for this step's read-back only."""
+        if self._out is None:
+            self._wait()
+            if self._batch is None:
+                ids = self._host.tolist()
+                self._out = SampleOutput(ids, [None] * len(ids), [None] * len(ids))
+            else:
+                self._out = unpack(self._host, self._batch)
+        return self._out
 
 
 def sample_step(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:

@@ -2,8 +2,10 @@
 schedule and its forward thread).
 
 In steady decode the scheduler launches step N+1 before it has read step N's tokens: N+1's input ids are N's
-sampled tokens, which the forward thread fills in when N is done (a future token per row, resolved on the thread
-that owns the device). While N+1 runs, the scheduler appends N's tokens, detokenizes, checks stops and streams. A
+sampled tokens, which the forward thread takes from N's chosen ids where they are (a future token per row, resolved
+on the device as SGLang resolves them: on a GPU the thread launches N+1 behind N without waiting for either), while
+N's tokens travel to the host. While N+1 runs, the scheduler appends N's tokens, detokenizes, checks stops and
+streams. A
 request that N ends with EOS or a stop has already been launched in N+1: its output goes out when N is processed,
 and its extra row is dropped, with the slot it took, once N+1 is in. A request that N ends by length is known ahead
 and is left out of N+1.
@@ -18,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 import kiln.distributed as distributed
 from kiln.core.forward_batch import ForwardBatch
-from kiln.runner.device_sampler import sample_step
+from kiln.core.transfer import to_device
+from kiln.runner.device_sampler import PendingSample
 from kiln.runner.sampler import SampleOutput, SamplingRow
 from kiln.scheduler.batch import build_decode
 from kiln.scheduler.req import Req
@@ -30,10 +35,10 @@ from kiln.scheduler.req import Req
 
 @dataclass
 class StepResult:
-    """What a launched step gives back: its sampled tokens, and whether it replayed a captured graph (the runner's
-    flag by then may be the next step's)."""
+    """What a launched step gives back: its sampling, launched (the chosen ids on the device, the host's copy under
+    way), and whether it replayed a captured graph (the runner's flag by then may be the next step's)."""
 
-    sampled: SampleOutput
+    sampled: PendingSample
     graphed: bool
 
 
@@ -46,7 +51,8 @@ class InFlight:
 
 
 class ForwardThread:
-    """One thread that runs decode steps in launch order: forward, then sampling."""
+    """One thread that launches decode steps in launch order: forward, then sampling. On a GPU it waits for
+    neither: a step reads the ids the step before chose where they are, on the device."""
 
     def __init__(self, step: Callable[[ForwardBatch, list[SamplingRow]], StepResult]):
         self.step = step  # forward + sample: the scheduler's runner and sampler
@@ -55,8 +61,8 @@ class ForwardThread:
     def launch(
         self, reqs: list[Req], fb: ForwardBatch, rows: list[SamplingRow], after: InFlight | None
     ) -> InFlight:
-        """Runs the step once `after` (the step in flight, or None) has its tokens; each request that was in it
-        reads its input id from them."""
+        """Runs the step once `after` (the step in flight, or None) is launched; each request that was in it reads
+        its input id from the ids that step chose."""
         source = None
         if after is not None:
             row_of = {id(r): i for i, r in enumerate(after.reqs)}
@@ -72,10 +78,11 @@ class ForwardThread:
     ) -> StepResult:
         if after is not None:
             # raises where that step failed: this one fails with it
-            tokens = after.result.result().sampled.next_token_ids
-            for j, i in enumerate(source):
-                if i is not None:
-                    fb.input_ids[j] = tokens[i]
+            ids = after.result.result().sampled.ids
+            if ids.device.type != "cpu":
+                fb = fb.to(ids.device)
+            src = to_device(torch.tensor([-1 if i is None else i for i in source]), ids.device)
+            fb = replace(fb, input_ids=torch.where(src >= 0, ids[src.clamp(min=0)], fb.input_ids))
         return self.step(fb, rows)
 
     def shutdown(self) -> None:
@@ -117,7 +124,7 @@ class OverlapSchedule:
     def _forward_and_sample(self, fb, rows: list[SamplingRow]) -> StepResult:
         """A launched step, on the forward thread."""
         logits = self.runner.forward(fb)
-        return StepResult(sample_step(logits, rows), self.runner.last_forward_graph)
+        return StepResult(PendingSample(logits, rows), self.runner.last_forward_graph)
 
     def _chains(self) -> bool:
         """Whether this step is plain decode the forward thread can run one step ahead (the module says when)."""
@@ -160,6 +167,7 @@ class OverlapSchedule:
         """A launched step's tokens, taken in: rows of requests that ended meanwhile give back their extra slot."""
         try:
             result = step.result.result()
+            sampled = result.sampled.result()
         except Exception as e:
             self._fail_steps(step, e)
             return
@@ -170,7 +178,6 @@ class OverlapSchedule:
             else:
                 live.append(i)
         if live:
-            sampled = result.sampled
             ids, logprobs, top = sampled.next_token_ids, sampled.logprobs, sampled.top_logprobs
             picked = SampleOutput([ids[i] for i in live], [logprobs[i] for i in live], [top[i] for i in live])
             self._take_tokens([step.reqs[i] for i in live], picked)
