@@ -10,6 +10,8 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
+from kiln.core.transfer import to_device
+
 
 @dataclass(frozen=True)
 class Pieces:
@@ -108,11 +110,12 @@ class ForwardBatch:
     attn: AttentionMetadata | None = None
 
     def to(self, device) -> ForwardBatch:
-        """The batch with its tensors on `device` (the scheduler builds them on the host). Attention metadata is
-        built on the device afterwards, so none is carried over."""
+        """The batch with its tensors on `device` (the scheduler builds them on the host), copied without waiting
+        for the device (kiln.core.transfer). Attention metadata is built on the device afterwards, so none is carried
+        over."""
 
         def move(t):
-            return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+            return to_device(t, device) if isinstance(t, torch.Tensor) else t
 
         return replace(
             self,

@@ -40,6 +40,23 @@ def _pow2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _attend(q, k_ptrs, v_ptrs, rows, keep, dmask, scale, top, total, acc, DOT: tl.constexpr):
+        """A block of keys and values ([N, D] at k_ptrs / v_ptrs, row n read where rows[n]) folded into q's rows'
+        running max, sum and weighted sum, each query row seeing the keys `keep` ([M, N]) allows."""
+        both = rows[:, None] & dmask[None, :]
+        k = tl.load(k_ptrs, mask=both, other=0.0).to(DOT)
+        v = tl.load(v_ptrs, mask=both, other=0.0).to(DOT)
+        score = tl.where(keep, tl.dot(q, tl.trans(k), input_precision="ieee") * scale, -float("inf"))
+        new_top = tl.maximum(top, tl.max(score, 1))
+        shift = tl.where(new_top == -float("inf"), 0.0, new_top)
+        p = tl.exp(score - shift[:, None])
+        alpha = tl.exp(top - shift)
+        # the weights rounded to v's dtype for the tensor cores, as flash attention rounds them
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        total = total * alpha + tl.sum(p, 1)
+        return new_top, total, acc
+
+    @triton.jit
     def _decode_split_kernel(
         Q, K, V, Table, Mask, MidO, MidLse, scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_mb,
@@ -74,12 +91,11 @@ if triton is not None:
             if HAS_MASK:
                 valid = valid & (tl.load(Mask + b * stride_mb + n, mask=valid, other=0) != 0)
             slot = tl.load(Table + b * stride_tb + n, mask=valid, other=0)
-            both = valid[:, None] & dmask[None, :]
-            k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=both, other=0.0)
-            v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=both, other=0.0)
-            score = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * scale
-            score = tl.where(valid[None, :], score, -float("inf"))
-            top, total, acc = _online_softmax_step(score, v.to(DOT), top, total, acc)
+            top, total, acc = _attend(
+                q, K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                valid, valid[None, :], dmask, scale, top, total, acc, DOT,
+            )  # fmt: skip
         rows = (b * tl.num_programs(1) * GROUP + heads) * SPLITS + s
         safe = tl.where(total > 0, total, 1.0)
         tl.store(MidO + rows[:, None] * BLOCK_D + d[None, :], acc / safe[:, None], mask=hmask[:, None])
@@ -144,46 +160,27 @@ if triton is not None:
             n = n0 + tl.arange(0, BLOCK_N)
             nvalid = n < prefix
             slot = tl.load(PrefixSlots + slots0 + n, mask=nvalid, other=0)
-            both = nvalid[:, None] & dmask[None, :]
-            k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=both, other=0.0)
-            v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=both, other=0.0)
-            score = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * scale
-            score = tl.where(nvalid[None, :], score, -float("inf"))
-            top, total, acc = _online_softmax_step(score, v.to(DOT), top, total, acc)
+            top, total, acc = _attend(
+                q, K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                nvalid, nvalid[None, :], dmask, scale, top, total, acc, DOT,
+            )  # fmt: skip
         # the request's own new tokens, causally, as computed (the pool's rounding is for later steps)
         for n0 in range(0, (blk + 1) * BLOCK_M, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nvalid = n < ext
-            both = nvalid[:, None] & dmask[None, :]
             rows = first + n
-            k = tl.load(
-                Knew + rows[:, None] * stride_knt + kvh * stride_knh + d[None, :], mask=both, other=0.0
-            )
-            v = tl.load(
-                Vnew + rows[:, None] * stride_vnt + kvh * stride_vnh + d[None, :], mask=both, other=0.0
-            )
-            score = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * scale
-            keep = nvalid[None, :] & (n[None, :] <= m[:, None])
-            score = tl.where(keep, score, -float("inf"))
-            top, total, acc = _online_softmax_step(score, v.to(DOT), top, total, acc)
+            top, total, acc = _attend(
+                q, Knew + rows[:, None] * stride_knt + kvh * stride_knh + d[None, :],
+                Vnew + rows[:, None] * stride_vnt + kvh * stride_vnh + d[None, :],
+                nvalid, nvalid[None, :] & (n[None, :] <= m[:, None]), dmask, scale, top, total, acc, DOT,
+            )  # fmt: skip
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
             Out + (first + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
             out.to(Out.dtype.element_ty),
             mask=mvalid[:, None] & dmask[None, :],
         )
-
-    @triton.jit
-    def _online_softmax_step(score, v, top, total, acc):
-        """One block of scores [M, N] and values [N, D] folded into the running max, sum and weighted sum."""
-        new_top = tl.maximum(top, tl.max(score, 1))
-        shift = tl.where(new_top == -float("inf"), 0.0, new_top)
-        p = tl.exp(score - shift[:, None])
-        alpha = tl.exp(top - shift)
-        # the weights rounded to v's dtype for the tensor cores, as flash attention rounds them
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        total = total * alpha + tl.sum(p, 1)
-        return new_top, total, acc
 
 
 def decode_splits(width: int, max_splits: int, per_split: int) -> int:
