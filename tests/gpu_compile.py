@@ -4,8 +4,10 @@ Triton's interpreter, which the CPU tests run the kernels in, never compiles the
 to compile for the GPU (a dtype a dot does not take, a loop-carried value that changes type, a block too large for
 shared memory). This script records the launches of Kiln's kernel wrappers (attention, fused norm / activation /
 rotary) at the dtypes and shapes a GPU serves, with the launch choices the GPU makes, and compiles each for the
-architecture through Triton's own binder and compiler, down to a cubin (Triton ships ptxas). Prints one JSON line per
-launch: kernel, dtypes, shared memory, and the tensor-core instructions in its PTX.
+architecture through Triton's own binder and compiler, down to a cubin (Triton ships ptxas), and checks each
+kernel's shared memory against the architecture's limit (which Triton checks only when it loads a kernel on a
+device). Prints one JSON line per launch: kernel, dtypes, shared memory, and the tensor-core instructions in its
+PTX; exits 1 where a kernel was never launched or takes too much shared memory.
 
     TRITON_INTERPRET=0 python tests/gpu_compile.py --arch 90
 """
@@ -13,7 +15,6 @@ launch: kernel, dtypes, shared memory, and the tensor-core instructions in its P
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import re
@@ -84,29 +85,30 @@ def record_launches(arch: int) -> list[Launch]:
 
 def attention_calls(arch: int):
     """Decode and extend as a Llama-3-8B-shaped model's layers launch them (32 query heads over 8 KV heads, head
-    dim 128; and head dim 64), in each model dtype over each pool dtype it can run with, with the plan a GPU
-    takes. fp8 e4m3 pools from compute capability 8.9 on (Kiln refuses them with this backend below that)."""
+    dim 128), with the plan a GPU of compute capability `arch` takes: for each model dtype over each pool dtype it
+    can run with, and in bfloat16 at head dims 64 and 256 too. fp8 e4m3 pools from compute capability 8.9 on
+    (Kiln refuses them with this backend below that)."""
     fp8 = torch.float8_e4m3fn if arch >= 89 else torch.float8_e5m2
-    pools = {torch.bfloat16: [torch.bfloat16, fp8], torch.float16: [torch.float16],
-             torch.float32: [torch.float32, torch.bfloat16]}  # fmt: skip
-    for dtype, pool_dtypes in pools.items():
-        for pool_dtype, dim in itertools.product(pool_dtypes, (128, 64)):
-            q = torch.empty(4, 32, dim, dtype=dtype)
-            k_cache = torch.empty(64, 8, dim, dtype=pool_dtype)
-            table = torch.zeros(4, 40, dtype=torch.int64)
-            mask = torch.ones(4, 40, dtype=torch.bool)
-            for m, splits in ((mask, 8), (None, 1)):
-                yield dtype, pool_dtype, dim, triton_attention.decode_attention, (
-                    q, k_cache, k_cache, table, m, 0.1, splits, triton_attention.dot_dtype(dtype, gpu=True)
-                )  # fmt: skip
-            qe = torch.empty(30, 32, dim, dtype=dtype)
-            ke = torch.empty(30, 8, dim, dtype=dtype)
-            ints = torch.zeros(2, dtype=torch.int64)
-            plan = triton_attention.extend_plan(dtype, dim, gpu=True)
-            yield dtype, pool_dtype, dim, triton_attention.extend_attention, (
-                qe, ke, ke, k_cache, k_cache, torch.zeros(10, dtype=torch.int64), ints, ints, ints, ints, 15, 0.1,
-                plan,
+    cases = [(torch.bfloat16, torch.bfloat16, dim) for dim in (64, 128, 256)] + [
+        (torch.bfloat16, fp8, 128), (torch.float16, torch.float16, 128), (torch.float32, torch.float32, 128),
+        (torch.float32, torch.bfloat16, 128),
+    ]  # fmt: skip
+    for dtype, pool_dtype, dim in cases:
+        q = torch.empty(4, 32, dim, dtype=dtype)
+        k_cache = torch.empty(64, 8, dim, dtype=pool_dtype)
+        table = torch.zeros(4, 40, dtype=torch.int64)
+        mask = torch.ones(4, 40, dtype=torch.bool)
+        for m, splits in ((mask, 8), (None, 1)):
+            yield dtype, pool_dtype, dim, triton_attention.decode_attention, (
+                q, k_cache, k_cache, table, m, 0.1, splits, triton_attention.dot_dtype(dtype, gpu=True)
             )  # fmt: skip
+        qe = torch.empty(30, 32, dim, dtype=dtype)
+        ke = torch.empty(30, 8, dim, dtype=dtype)
+        ints = torch.zeros(2, dtype=torch.int64)
+        plan = triton_attention.extend_plan(dtype, dim, divmod(arch, 10))
+        yield dtype, pool_dtype, dim, triton_attention.extend_attention, (
+            qe, ke, ke, k_cache, k_cache, torch.zeros(10, dtype=torch.int64), ints, ints, ints, ints, 15, 0.1, plan,
+        )  # fmt: skip
 
 
 def fused_calls(dtype: torch.dtype):
@@ -134,23 +136,39 @@ def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict, target: GPUTa
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
+    ap.add_argument(
+        "--arch",
+        type=int,
+        default=90,
+        choices=sorted(SHARED_LIMIT),
+        help="compute capability: 90 H100/H200, 80 A100",
+    )
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     names = {name for _, name, _ in kernels()}
     launches = record_launches(args.arch)
+    over = False
     for launch in launches:
         compiled = compile_launch(launch.kernel, launch.args, launch.kwargs, target)
         ptx = compiled.asm["ptx"]
+        shared = compiled.metadata.shared
         print(json.dumps({
             "kernel": launch.kernel.__name__, **launch.what,
-            "shared": compiled.metadata.shared, "mma": len(re.findall(r"\b(?:wgmma|mma)\.", ptx)),
+            "shared": shared, "mma": len(re.findall(r"\b(?:wgmma|mma)\.", ptx)),
         }))  # fmt: skip
+        if shared > SHARED_LIMIT[args.arch]:
+            print(f"{launch.kernel.__name__} {launch.what}: {shared} bytes of shared memory, over sm_{args.arch}'s "
+                  f"{SHARED_LIMIT[args.arch]}", file=sys.stderr)  # fmt: skip
+            over = True
     missed = names - {launch.kernel.__name__ for launch in launches}
     if missed:
         print(f"never launched here, so not compiled: {sorted(missed)}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if missed or over else 0
+
+
+# the most shared memory a block can take (opt-in), by compute capability: Triton checks it only when a kernel is
+# loaded on a device, so a compile without one compares it here
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 if __name__ == "__main__":

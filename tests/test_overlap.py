@@ -352,15 +352,57 @@ def test_random_traffic_as_the_plain_scheduler(engines, seed, monkeypatch):
             assert got[rid] == want[rid], rid
 
 
+def test_only_requests_with_a_cached_prefix_in_common_share_kv(engines):
+    """shares_prefix (a decode batch's `shared_kv`, which spares a GPU's attention its search for shared slots) from
+    the radix tree alone: true once a request extends another's cached prompt, false for unrelated ones."""
+    from kiln.scheduler.batch import shares_prefix
+
+    plain, _ = engines
+    sched = plain.scheduler
+    params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True).normalize()
+    sched.add_request(GenerateReq("a", PROMPTS[2], params))
+    sched.add_request(GenerateReq("b", PROMPTS[0], params))
+    steps_until(sched, lambda: len(sched.running) == 2)
+    assert not shares_prefix(sched.running)
+    sched.add_request(GenerateReq("c", PROMPTS[2][:20] + [7, 7], params))
+    steps_until(sched, lambda: len(sched.running) == 3)
+    c = next(r for r in sched.running if r.rid == "c")
+    assert c.cached_len > 0 and shares_prefix(sched.running)
+    assert not shares_prefix([r for r in sched.running if r.rid != "a"])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_building_a_decode_step_waits_for_nothing_on_the_gpu(tiny_llama):
-    """What the overlap schedule does on the host while the step before runs, slot allocation and the step's
-    tensors (pages of one token), synchronizes nothing with the GPU: torch's sync check set to raise around it."""
-    from kiln.scheduler.batch import build_decode
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_an_overlapped_step_waits_for_nothing_on_the_gpu(tiny_llama, graphs):
+    """Everything the overlap schedule does for a step before its tokens are taken synchronizes nothing with the
+    GPU (torch's sync check set to raise): slot allocation and the step's tensors on the scheduler's thread (pages
+    of one token), then on the forward thread the input ids taken from the step before's ids on the device, the
+    forward (the default attention backend, unrelated requests; eager and graph replay) and the sampling launch."""
+    from concurrent.futures import Future
 
-    engine = kiln.Engine(model_path=tiny_llama, device="cuda", disable_cuda_graph=True, max_total_tokens=2048)
+    from kiln.scheduler.batch import build_decode
+    from kiln.scheduler.overlap import InFlight, plain_rows
+
+    engine = kiln.Engine(
+        model_path=tiny_llama, device="cuda", disable_cuda_graph=not graphs, cuda_graph_max_bs=8,
+        max_total_tokens=2048,
+    )  # fmt: skip
     sched = engine.scheduler
+    assert sched.forward_thread is not None  # overlap is CUDA's default
+
+    def launch(reqs, after):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            slots = sched.kv.alloc_decode(reqs)
+            fb = build_decode(reqs, sched.kv.table, slots)
+            for r in reqs:  # the slots are the requests' now: released with them
+                r.kv_len += 1
+            source = list(range(len(reqs))) if after is not None else None
+            return fb, sched.forward_thread._run(fb, plain_rows(reqs), after, source)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
     try:
         params = SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True).normalize()
         for i, prompt in enumerate(PROMPTS):
@@ -368,20 +410,19 @@ def test_building_a_decode_step_waits_for_nothing_on_the_gpu(tiny_llama):
         steps_until(sched, lambda: len(sched.running) == len(PROMPTS) and not sched.waiting)
         sched.drain()
         reqs = list(sched.running)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            slots = sched.kv.alloc_decode(reqs)
-            fb = build_decode(reqs, sched.kv.table, slots)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        for r in reqs:  # the slots are the requests' now: released with them
-            r.kv_len += 1
-        assert fb.kv_mask is not None and fb.kv_table.is_cuda  # rows of different lengths: the mask was built
+        fb, first = launch(reqs, None)
+        assert fb.kv_mask is not None and fb.kv_table.is_cuda and not fb.shared_kv
         rows = torch.tensor([r.table_idx for r in reqs])
         assert torch.equal(
             fb.out_cache_loc, sched.kv.table.req_to_token[rows, torch.tensor([r.kv_len - 1 for r in reqs])]
         )
+        done = Future()
+        done.set_result(first)
+        _, second = launch(reqs, InFlight(reqs, done))
+        assert second.graphed == graphs
+        for step in (first, second):
+            ids = step.sampled.result().next_token_ids
+            assert len(ids) == len(reqs) and all(0 <= t < sched.runner.model_config.vocab_size for t in ids)
     finally:
         sched.abort(AbortReq(abort_all=True))
         while sched.has_work:

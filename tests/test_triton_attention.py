@@ -133,7 +133,7 @@ def run_extend(hq, hk, dim, prefix_lens, ext_lens, dtype=torch.float32, pool_dty
     def ints(xs):
         return torch.tensor(xs, dtype=torch.int64, device=DEVICE)
 
-    plan = extend_plan(dtype, dim, gpu=DEVICE == "cuda")
+    plan = extend_plan(dtype, dim, torch.cuda.get_device_capability() if DEVICE == "cuda" else None)
     if gpu_tiles:
         plan = replace(plan, block_m=128, block_n=64, warps=8)
     got = triton_attention.extend_attention(

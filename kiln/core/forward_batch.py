@@ -104,6 +104,9 @@ class ForwardBatch:
     # DECODE: [B, L] slots of every sequence, padded with slot 0, and the [B, 1, 1, L] validity mask
     kv_table: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
+    # DECODE: whether rows may read the same KV slots (a cached prefix in common), as the scheduler knows it from the
+    # radix tree without reading the table; False spares the attention backend looking for shared slots
+    shared_kv: bool = True
     # both modes, hybrid models: [B] int64, each request's slot in the linear layers' state pool (its table row)
     state_slots: torch.Tensor | None = None
     # set by the model runner (AttentionBackend.prepare_metadata) once the batch is on its device

@@ -15,6 +15,7 @@ Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) on CPU 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -247,16 +248,34 @@ class ExtendPlan:
     dot: torch.dtype
 
 
-def extend_plan(dtype: torch.dtype, head_dim: int, gpu: bool) -> ExtendPlan:
-    """The launch for q in `dtype`, compiled for a GPU (gpu) or run in Triton's interpreter.
+def extend_plan(dtype: torch.dtype, head_dim: int, capability: tuple[int, int] | None) -> ExtendPlan:
+    """The launch for q in `dtype` on a GPU of compute `capability`, or in Triton's interpreter (None).
 
-    On a GPU, half precision takes SGLang's tiles for Hopper (tensor-core dots want large ones: 128 x 64, 32 x 64
-    past head dim 256; 8 warps past head dim 64); float32 keeps small tiles (IEEE dots hold more registers), and so
-    does the interpreter (its speed). Dots take dot_dtype's."""
-    half = dtype in (torch.float16, torch.bfloat16)
-    if gpu and half:
-        return ExtendPlan(128 if head_dim <= 256 else 32, 64, 8 if head_dim > 64 else 4, dtype)
-    return ExtendPlan(32, 32, 4, dot_dtype(dtype, gpu))
+    On a GPU, half precision takes SGLang's tiles for the architecture (tensor-core dots want large ones; each must
+    fit the architecture's shared memory: 99 KiB a block on 8.6 and 8.9, 163 KiB on 8.0, 227 KiB on Hopper), 8
+    warps past head dim 64; float32 keeps small tiles (IEEE dots hold more registers), and so does the interpreter
+    (its speed). Dots take dot_dtype's."""
+    if capability is None or dtype not in (torch.float16, torch.bfloat16):
+        return ExtendPlan(32, 32, 4, dot_dtype(dtype, capability is not None))
+    major, minor = capability
+    if major >= 12:  # workstation Blackwell: about 100 KiB of shared memory
+        tiles = (64, 128) if head_dim <= 128 else (64, 64) if head_dim <= 256 else (32, 32)
+    elif major >= 10:
+        tiles = (64, 64) if head_dim <= 256 else (16, 64)
+    elif major == 9:
+        tiles = (128, 64) if head_dim <= 256 else (32, 64)
+    elif major == 8 and minor in (6, 9):
+        tiles = (64, 128) if head_dim <= 128 else (64, 64) if head_dim <= 256 else (32, 32)
+    elif major == 8:
+        tiles = (128, 128) if head_dim <= 128 else (64, 64) if head_dim <= 256 else (32, 64)
+    else:
+        tiles = (64, 64) if head_dim <= 128 else (32, 32)
+    return ExtendPlan(*tiles, 8 if head_dim > 64 else 4, dtype)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def extend_attention(
@@ -281,7 +300,7 @@ def extend_attention(
     out = torch.empty_like(q)
     if t == 0:
         return out
-    plan = plan or extend_plan(q.dtype, dim, q.is_cuda)
+    plan = plan or extend_plan(q.dtype, dim, _capability(q.device.index or 0) if q.is_cuda else None)
     grid = (ext_lens.shape[0], hq, -(-max_ext // plan.block_m))
     _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, prefix_slots, prefix_start, prefix_lens, ext_start, ext_lens, scale,

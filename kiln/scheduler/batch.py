@@ -35,6 +35,22 @@ def build_extend(reqs: list[Req], table: ReqToTokenPool) -> ForwardBatch:
     )
 
 
+def shares_prefix(reqs: list[Req]) -> bool:
+    """Whether two of the requests read the same cached KV. A cached prefix starts at a sequence's first token, so
+    two that share any of it share the radix tree's node under the root on their paths."""
+    tops = set()
+    for r in reqs:
+        node = r.node
+        if node is None or r.cached_len == 0:
+            continue
+        while node.parent is not None and node.parent.parent is not None:
+            node = node.parent
+        if id(node) in tops:
+            return True
+        tops.add(id(node))
+    return False
+
+
 def build_decode(reqs: list[Req], table: ReqToTokenPool, new_slots: torch.Tensor) -> ForwardBatch:
     """One token per request at position kv_len; its slot is already in the table."""
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
@@ -48,5 +64,6 @@ def build_decode(reqs: list[Req], table: ReqToTokenPool, new_slots: torch.Tensor
         logits_index=torch.arange(len(reqs)),
         kv_table=kv_table,
         kv_mask=mask,
+        shared_kv=shares_prefix(reqs),
         state_slots=rows,
     )

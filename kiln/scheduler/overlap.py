@@ -206,8 +206,9 @@ class OverlapSchedule:
             self._settle(step)
 
     def _settle(self, step: InFlight) -> list[Req]:
-        """Waits for a step whose tokens will not be taken and drops the extra rows of its requests that already
-        ended; returns the others (a failed step's error is the caller's to report)."""
+        """Waits for a step whose tokens will not be taken (for its launch: its device work runs on in stream
+        order, before anything launched later) and drops the extra rows of its requests that already ended; returns
+        the others (a failed step's error is the caller's to report)."""
         step.result.exception()
         for r in step.reqs:
             if r.finished:

@@ -27,6 +27,10 @@ class TorchSdpaBackend(AttentionBackend):
     def prepare_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
         if fb.mode != ForwardMode.DECODE or fb.kv_table.shape[0] == 1:
             return AttentionMetadata()
+        if not fb.shared_kv and fb.kv_table.device.type != "cpu":
+            # the distinct slots' count is read back to the host (a wait for the step before, which the overlap
+            # schedule launches this one behind): on a GPU only where rows can share a prefix
+            return AttentionMetadata()
         slots, inverse = torch.unique(fb.kv_table, return_inverse=True)
         return AttentionMetadata(
             distinct=distinct_slots(fb, slots, inverse, self.group),
