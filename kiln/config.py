@@ -149,7 +149,8 @@ class ServerArgs:
     log_requests: bool = _f(False, "log every request")
     load_format: str = _f(
         "auto",
-        "auto | safetensors | gguf: what the model path holds (FP8 block-quantized safetensors dequantized) | "
+        "auto | safetensors | gguf: what the model path holds (FP8 block-quantized safetensors kept in FP8 on CUDA from "
+        "compute capability 8.9, dequantized elsewhere) | "
         "dummy: random weights (SGLang's dummy loader: uniform in ±1e-3, seeded), only the directory's "
         "config.json and tokenizer read, to measure a model without its checkpoint",
         choices=["auto", "safetensors", "gguf", "dummy"],

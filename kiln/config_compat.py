@@ -127,7 +127,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ),
     *_group(
         "Kiln quantizes nothing at load but --quantization int8 (CPU): it serves the checkpoint's own weights "
-        "(GGUF blocks kept on the CPU, FP8 blocks dequantized)",
+        "(GGUF blocks kept on the CPU, FP8 blocks kept on CUDA from compute capability 8.9, else dequantized)",
         switches="--quantize-and-serve",
         values="--quantization-param-path --modelopt-quant --rl-quant-profile",
     ),
@@ -653,8 +653,8 @@ FOREIGN_VALUES: tuple[ForeignValue, ...] = (
             "pt npcache sharded_state bitsandbytes layered jax remote remote_instance fastsafetensors "
             "private mistral flash_rl".split()
         ),
-        "Kiln loads what the model path holds: *.safetensors (FP8 block-quantized ones dequantized), or a "
-        "GGUF file",
+        "Kiln loads what the model path holds: *.safetensors (FP8 block-quantized ones kept in FP8 on CUDA from "
+        "compute capability 8.9, else dequantized), or a GGUF file",
     ),
     ForeignValue(
         "--attention-backend",
@@ -687,7 +687,7 @@ FOREIGN_VALUES: tuple[ForeignValue, ...] = (
             "mlx_q8 unquant humming".split()
         ),
         "Kiln quantizes at load only with --quantization int8 (CPU): it serves the checkpoint's own weights "
-        "(GGUF blocks kept on the CPU, FP8 blocks dequantized)",
+        "(GGUF blocks kept on the CPU, FP8 blocks kept on CUDA from compute capability 8.9, else dequantized)",
     ),
     ForeignValue(
         "--schedule-policy",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import psutil
 
+from kiln.core import envs
 from kiln.core.units import GIB
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -162,6 +163,21 @@ def gguf_blocks_expected(mode: str) -> bool:
 def int8_kernels(mode: str) -> bool:
     """Whether --quantization int8 rounds weights at load here under --cpu-gemm `mode` (Kiln's kernels, AVX2)."""
     return check_cpu_gemm(mode) != "onednn" and cpu_runs_kiln_kernel()
+
+
+def fp8_weights_kept(device: str) -> bool:
+    """Whether an FP8 block-quantized checkpoint keeps its weights in FP8 on `device` (kiln.layers.fp8_linear)
+    rather than dequantized at load: KILN_FP8_WEIGHTS=keep everywhere (the CPU runs the kernels in Triton's
+    interpreter, for tests), dequantize nowhere; auto on CUDA from compute capability 8.9, where Triton converts
+    e4m3 (an A100 dequantizes), and on CUDA planned from a machine without a GPU (the deployments' H100 and H200)."""
+    mode = envs.fp8_weights()
+    if mode != "auto":
+        return mode == "keep"
+    if not device.startswith("cuda"):
+        return False
+    import torch
+
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def attention_interpreted(device: str, attention_backend: str | None) -> bool:

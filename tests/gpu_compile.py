@@ -3,7 +3,7 @@
 Triton's interpreter, which the CPU tests run the kernels in, never compiles them: a kernel can pass there and fail
 to compile for the GPU (a dtype a dot does not take, a loop-carried value that changes type, a block too large for
 shared memory). This script records the launches of Kiln's kernel wrappers (attention, fused norm / activation /
-rotary) at the dtypes and shapes a GPU serves, with the launch choices the GPU makes, and compiles each for the
+rotary, FP8 block weights) at the dtypes and shapes a GPU serves, with the launch choices the GPU makes, and compiles each for the
 architecture through Triton's own binder and compiler, down to a cubin (Triton ships ptxas), and checks each
 kernel's shared memory against the architecture's limit (which Triton checks only when it loads a kernel on a
 device). Prints one JSON line per launch: kernel, dtypes, shared memory, and the tensor-core instructions in its
@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from kiln.layers import triton_attention, triton_fused  # noqa: E402
+from kiln.layers import triton_attention, triton_fp8, triton_fused  # noqa: E402
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -56,7 +56,7 @@ def kernels() -> list[tuple[object, str, JITFunction]]:
     """Kiln's Triton kernels: (module, name, kernel); their jitted helpers are compiled into them."""
     return [
         (module, name, obj)
-        for module in (triton_attention, triton_fused)
+        for module in (triton_attention, triton_fp8, triton_fused)
         for name, obj in vars(module).items()
         if isinstance(obj, JITFunction) and name.endswith("_kernel")
     ]
@@ -80,6 +80,8 @@ def record_launches(arch: int) -> list[Launch]:
     for dtype in HALF:
         for fn, args in fused_calls(dtype):
             call(fn, *args, op=fn.__name__, dtype=dtype)
+    for dtype, rows in fp8_calls(arch):
+        call(triton_fp8.fp8_block_linear, *rows, op="fp8_block_linear", dtype=dtype, rows=rows[0].shape[0])
     return launches
 
 
@@ -123,6 +125,20 @@ def fused_calls(dtype: torch.dtype):
     yield triton_fused.rotary, (qkv[:, :32], torch.empty(2, 5, 1, 128, dtype=dtype))
 
 
+def fp8_calls(arch: int):
+    """DeepSeek-V3's FP8 block weights (128 x 128 blocks) as its layers multiply them, kept in FP8 from compute
+    capability 8.9 on (kiln.layers.fp8_linear): a decode step's few rows and a prefill's many, in each model dtype
+    (float32 is the exact mode)."""
+    if arch < 89:
+        return
+    weight = torch.empty(7168, 2048, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(56, 16, dtype=torch.float32)
+    for dtype in (*HALF, torch.float32):
+        for rows in (4, 512):
+            x = torch.empty(rows, 2048, dtype=dtype)
+            yield dtype, (x, weight, scale, (128, 128), None, triton_fp8.dot_dtype(dtype, gpu=True))
+
+
 def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict, target: GPUTarget):
     """The kernel compiled as JITFunction.run compiles it for these arguments, for `target`."""
     backend = make_backend(target)
@@ -146,6 +162,8 @@ def main() -> int:
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     names = {name for _, name, _ in kernels()}
+    if args.arch < 89:  # FP8 weights are dequantized at load below 8.9: Triton has no e4m3 there
+        names.discard("_fp8_block_matmul_kernel")
     launches = record_launches(args.arch)
     over = False
     for launch in launches:

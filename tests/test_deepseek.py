@@ -1,7 +1,7 @@
 """DeepSeek-V3 (multi-head latent attention, a dense first layer, then grouped-top-k experts with a shared expert,
 yarn rope) served by the Engine on random small configs, token-identical to transformers' DeepseekV3ForCausalLM
 greedy output (float32 logits within 1e-4): alone, batched, chunked, on radix hits, under retraction and over
-HTTP, with q_lora on and off; an FP8 block-quantized checkpoint dequantized at load; the MTP layer set aside."""
+HTTP, with q_lora on and off; an FP8 block-quantized checkpoint dequantized at load and held in FP8; the MTP layer set aside."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_blocks import dequantize_reference, quantize_blocks, save_fp8_model
 from model_equality import (  # the fixtures among these apply to this module by being imported
     BASE_ARGS,
     EngineEquality,
@@ -198,73 +199,23 @@ def test_unimplemented_features_are_refused_at_startup(tmp_path: Path, field: st
 # ---------------------------------------------------------------------------------------------- FP8
 
 
-def _quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's FP8 layout: e4m3 values and one float32 scale_inv per block x block tile (w = q * scale_inv)."""
-    rows, cols = w.shape
-    tiles_r, tiles_c = -(-rows // block), -(-cols // block)
-    padded = torch.zeros(tiles_r * block, tiles_c * block)
-    padded[:rows, :cols] = w
-    tiles = padded.view(tiles_r, block, tiles_c, block)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def _dequantize_reference(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return q.float() * full[: q.shape[0], : q.shape[1]]
-
-
-def _quantizable(name: str, t: torch.Tensor) -> bool:
-    """What DeepSeek's FP8 checkpoints keep in FP8: the linear weights, not embeddings, lm head, router or norms."""
-    return t.dim() == 2 and (name.endswith("proj.weight") or name.endswith("_with_mqa.weight"))
-
-
-def _fp8_checkpoint(model, block: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the FP8 checkpoint with per-expert tensors, as DeepSeek ships it; the dequantized state dict for
-    transformers)."""
-    tensors, dequantized = {}, {}
-    for name, t in model.state_dict().items():
-        t = t.detach().float()
-        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-            prefix, parts = name.rsplit(".", 1)[0], []
-            for e in range(t.shape[0]):
-                pieces = t[e].chunk(2) if name.endswith("gate_up_proj") else (t[e],)
-                kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
-                rebuilt = []
-                for kind, piece in zip(kinds, pieces):
-                    q, s = _quantize_blocks(piece, block)
-                    tensors[f"{prefix}.{e}.{kind}_proj.weight"] = q
-                    tensors[f"{prefix}.{e}.{kind}_proj.weight_scale_inv"] = s
-                    rebuilt.append(_dequantize_reference(q, s, block))
-                parts.append(torch.cat(rebuilt))
-            dequantized[name] = torch.stack(parts)
-        elif _quantizable(name, t):
-            q, s = _quantize_blocks(t, block)
-            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = q, s
-            dequantized[name] = _dequantize_reference(q, s, block)
-        else:
-            tensors[name] = dequantized[name] = t
-    return tensors, dequantized
-
-
 def test_fp8_block_dequantization_matches_the_definition() -> None:
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(70, 45, generator=gen)
-    q, scale = _quantize_blocks(w, 16)
+    q, scale = quantize_blocks(w, 16)
     assert scale.shape == (5, 3)
     got = fp8.dequantize_blocks(q, scale, (16, 16))
-    assert torch.equal(got, _dequantize_reference(q, scale, 16))
+    assert torch.equal(got, dequantize_reference(q, scale, 16))
     assert (got - w).abs().max() < 0.1 * w.abs().max()  # e4m3 keeps about two significant digits
 
 
 def test_fp8_stream_pairs_weights_with_scales_in_any_order() -> None:
-    q, scale = _quantize_blocks(torch.randn(20, 20), 16)
+    q, scale = quantize_blocks(torch.randn(20, 20), 16)
     stream = [("a.weight_scale_inv", scale), ("b.bias", torch.ones(3)), ("a.weight", q)]
-    out = dict(fp8.dequantize_stream(iter(stream), (16, 16)))
+    out = dict(fp8.block_stream(iter(stream), (16, 16)))
     assert sorted(out) == ["a.weight", "b.bias"] and out["a.weight"].dtype == torch.float32
     with pytest.raises(ValueError, match="c.weight_scale_inv"):
-        list(fp8.dequantize_stream(iter([("c.weight", q)]), (16, 16)))
+        list(fp8.block_stream(iter([("c.weight", q)]), (16, 16)))
 
 
 def test_fp8_config_is_checked() -> None:
@@ -278,26 +229,46 @@ def test_fp8_config_is_checked() -> None:
         fp8.block_size({"quant_method": "fp8", "fmt": "e4m3"})
 
 
-def test_an_fp8_checkpoint_loads_and_matches_transformers(tmp_path: Path, ref: Reference) -> None:
-    from safetensors.torch import save_file
+@pytest.mark.parametrize("held", ["dequantize", "keep"])
+def test_an_fp8_checkpoint_loads_and_matches_transformers(
+    tmp_path: Path, ref: Reference, monkeypatch, held
+) -> None:
+    """Dequantized at load (the CPU's default), and kept in FP8 blocks (CUDA's from compute capability 8.9;
+    KILN_FP8_WEIGHTS=keep runs the kernels here in Triton's interpreter): transformers' logits and greedy tokens
+    on the dequantized weights either way."""
+    from kiln.layers.fp8_linear import block_factor_bytes
+    from kiln.memory.model_shapes import weight_bytes
 
-    block = 16
+    monkeypatch.setenv("KILN_FP8_WEIGHTS", held)
     model, tok = deepseek_hf_model(seed=2)
-    tensors, dequantized = _fp8_checkpoint(model, block)
-    model.load_state_dict(dequantized)
     path = tmp_path / "fp8"
-    model.config.save_pretrained(path)
-    tok.save_pretrained(path)
+    tensors = save_fp8_model(model, tok, path, block=16, architecture="DeepseekV3ForCausalLM")
     config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["DeepseekV3ForCausalLM"]
-    config["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block], "activation_scheme": "dynamic",
-    }  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(tensors, path / "model.safetensors")
     assert tensors["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
     eng = kiln.Engine(model_path=str(path), **BASE_ARGS)
     try:
+        runner = eng.scheduler.runner
+        held_dtypes = {name: p.dtype for name, p in runner.model.named_parameters()}
+        fp8_held = {name for name, dtype in held_dtypes.items() if dtype == torch.float8_e4m3fn}
+        if held == "keep":  # every linear and the routed experts, but kv_b_proj (absorbed per head)
+            assert {
+                "model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+                "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+                "model.layers.1.mlp.shared_experts.down_proj.weight",
+            } <= fp8_held  # fmt: skip
+            assert held_dtypes["model.layers.0.self_attn.kv_b_proj.weight"] == torch.float32
+            assert not any("embed" in name or "lm_head" in name or "gate.weight" in name for name in fp8_held)
+            # the ledger's figure (block factors counted at 4 B a whole block) within 2% of what is held
+            measured = runner.measured["weights"]
+            assert abs(weight_bytes(config, 1, 4, fp8_kept=True) - measured) < 0.02 * measured
+            # against the dequantized model's (what the ledger counts for it): 3 B saved a weight held in FP8, less
+            # the factors
+            elements = sum(p.numel() for p in runner.model.parameters() if p.dtype == torch.float8_e4m3fn)
+            saved = 3 * elements - block_factor_bytes(runner.model)
+            assert weight_bytes(config, 1, 4) - measured == saved > 0
+        else:
+            assert not fp8_held
         prompt = ref.prompts[5]
         got, out = spy_logits(eng, prompt)
         torch.testing.assert_close(got, reference_logits(model, prompt, out), rtol=0, atol=1e-4)

@@ -155,18 +155,24 @@ def test_sglang_worked_example_qwen3_8b():
     assert abs(got.max_total_num_tokens - 992_896) / 992_896 < 0.002
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["dequantized", "fp8-kept"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
-def test_deepseek_v3_mla(tp):
-    got = ledger(DEEPSEEK_V3, mem_gib=141, tp_size=tp)
+def test_deepseek_v3_mla(tp, kept):
+    got = ledger(DEEPSEEK_V3, mem_gib=141, tp_size=tp, fp8_weights_kept=kept)
     assert got.kv_bytes_per_token == 70_272
     assert "MLA" in got.line("kv bytes per token").inputs
-    # Kiln dequantizes the FP8 checkpoint at load, so the ledger counts bf16 weights: ~158 GiB per rank at tp 8
-    # (more than an H200 holds), ~80 GiB at tp 16
-    assert "dequantized at load" in got.line("weights").inputs
-    assert got.fits == (tp == 16)
-    if tp < 16:
+    # dequantized (an A100, or KILN_FP8_WEIGHTS=dequantize) the ledger counts bf16 weights: ~158 GiB per rank at
+    # tp 8 (more than an H200 holds), ~80 GiB at tp 16; kept in FP8 (CUDA from compute capability 8.9), about half
+    inputs = got.line("weights").inputs
+    assert ("fp8 blocks kept" in inputs) == kept and ("dequantized at load" in inputs) == (not kept)
+    least = 8 if kept else 16
+    assert got.fits == (tp >= least)
+    if tp < least:
         assert got.failure.moment == "load_weights"
-        assert got.failure.fix_flags.get("--tp-size") == "16"
+        assert got.failure.fix_flags.get("--tp-size") == str(least)
+    if tp == 8:
+        weights = got.line("weights").bytes
+        assert 75 * GIB < weights < 90 * GIB if kept else 150 * GIB < weights < 165 * GIB
 
 
 def test_cpu_default_pool_is_capped_at_a_quarter_of_ram():
@@ -322,12 +328,15 @@ QWEN3_30B_A3B = {
     "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "vocab_size": 151936,
     "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }  # fmt: skip
-FP8_LINEAR_BYTES = 2  # the FP8 checkpoint is dequantized to bf16 at load (kiln/loader/fp8.py)
+# a CUDA plan keeps an FP8 checkpoint's weights in FP8 (kiln/layers/fp8_linear.py): 1 B a weight and a float32
+# factor per 128 x 128 block
+FP8_LINEAR_BYTES = 1 + 4 / (128 * 128)
 
 
 def _deepseek_family_weight_bytes(tp: int, heads: int, experts: int, dense: int, vocab: int) -> int:
     """DeepSeek-V3's shapes (hidden 7168, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128, 61 layers, dense
-    intermediate 18432, experts of 2048 and one shared): linears from FP8 dequantized to bf16, the rest bf16, the router gate float32
+    intermediate 18432, experts of 2048 and one shared): linears kept in FP8 but kv_b_proj (latent attention
+    absorbs it per head, in bf16), the rest bf16, the router gate float32
     (4 B, not 2) and its float32 e_score_correction_bias. Per rank: heads, experts' columns, vocab split by tp."""
     h, layers = 7168, 61
     sparse = layers - dense
@@ -337,10 +346,11 @@ def _deepseek_family_weight_bytes(tp: int, heads: int, experts: int, dense: int,
         + heads * 128 * h // tp  # o_proj
     )  # fmt: skip
     linear = layers * attention + dense * 3 * h * 18432 // tp + sparse * 3 * h * (experts + 1) * 2048 // tp
+    latent_up = layers * 512 * heads * (128 + 128) // tp
     norms = layers * (1536 + 512 + 2 * h) + h  # q_a / kv_a / input / post-attention norms, the final norm
     other = norms + 2 * vocab * h // tp  # + embedding and lm head
     router = sparse * (experts * h * 4 + experts * 4)
-    return math.ceil(linear * FP8_LINEAR_BYTES + other * 2) + router
+    return math.ceil((linear - latent_up) * FP8_LINEAR_BYTES + (other + latent_up) * 2) + router
 
 
 def _qwen3_30b_a3b_weight_bytes(tp: int) -> int:
@@ -374,8 +384,9 @@ def test_plan_moe_models_per_rank(capsys, model_dir, name: str, tp: int, ep: int
     lines = {line["name"]: line["bytes"] for line in data["lines"]}
     assert lines["weights"] == data["weight_bytes"] == weights(tp)
     assert lines["kv bytes per token"] == data["kv_bytes_per_token"] == cell(tp)
-    # dequantized to bf16, the big two fit on 141 GiB GPUs only split sixteen ways; Qwen3-30B-A3B's 61 GB on one
-    assert rc == (1 if tp < 16 and name != "qwen3-30b-a3b" else 0)
+    # kept in FP8, the big two fit on eight 141 GiB GPUs (dequantized, only on sixteen: test_deepseek_v3_mla);
+    # Qwen3-30B-A3B's 61 GB on one
+    assert rc == (1 if tp < 8 and name != "qwen3-30b-a3b" else 0)
     if rc == 0:
         assert lines["kv pool"] == (data["max_total_num_tokens"] + 1) * cell(tp)
     else:

@@ -41,10 +41,17 @@ def test_every_kernel_compiles_for_the_gpu(arch, tmp_path):
     # half precision's attention runs its dots on tensor cores; float32's stay IEEE float32 (the exact mode)
     assert all(x["mma"] > 0 for x in dots if x["dtype"] != "float32")
     assert all(x["mma"] == 0 for x in dots if x["dtype"] == "float32")
-    if arch < 89:  # no fp8 e4m3 pool below 8.9: Kiln refuses it with this backend there
-        assert not any(x.get("pool") == "float8_e4m3fn" for x in launches)
+    fp8_weights = [x for x in launches if x["kernel"] == "_fp8_block_matmul_kernel"]
+    if (
+        arch < 89
+    ):  # no fp8 e4m3 below 8.9: Kiln refuses such a pool with this backend, and dequantizes FP8 weights
+        assert not any(x.get("pool") == "float8_e4m3fn" for x in launches) and not fp8_weights
     else:
         assert any(x.get("pool") == "float8_e4m3fn" for x in launches)
+        # FP8 weights multiplied in bfloat16 and float16 on tensor cores, decode's rows and a prefill's
+        assert {(x["dtype"], x["rows"]) for x in fp8_weights if x["mma"] > 0} == {
+            (d, r) for d in ("bfloat16", "float16") for r in ("4", "512")
+        }
 
 
 def test_an_fp8_e4m3_pool_is_refused_below_compute_capability_8_9():

@@ -4,6 +4,7 @@
 # repo root with $OUT set, carry [".whl", ".devcarry"], timeout_s 600:
 #   bash benchmarks/cuda/cuda_checks.sh 1   # Triton kernels natively, then the 8B-class model against the GPU's limits
 #   bash benchmarks/cuda/cuda_checks.sh 2   # CUDA tests, default capture, graph and overlap benchmarks, fused A/B
+#   bash benchmarks/cuda/cuda_checks.sh 3   # FP8 block weights kept on the GPU: their tests natively, their speed
 # Every log lands in $OUT as it is written, so a part stopped at its limit still returns what it did.
 part=${1:-1}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -40,5 +41,14 @@ if [ "$part" = 2 ]; then
   KILN_TRITON_FUSED=off timeout 300 python3 benchmarks/cuda/bench_8b.py --tokenizer .devcarry/tiny-llama \
     --attention-backend triton --json $OUT/bench_8b_unfused.json > $OUT/bench_8b_unfused.log 2>&1
   grep -v "Capturing" $OUT/bench_8b_unfused.log | tail -30
+fi
+if [ "$part" = 3 ]; then
+  step "FP8 block weights kept in FP8: kernels, shards, a Qwen3-MoE and a DeepSeek-V3 FP8 checkpoint against transformers"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_weights.py \
+    "tests/test_deepseek.py::test_an_fp8_checkpoint_loads_and_matches_transformers" -rA > $OUT/fp8_tests.log 2>&1
+  tail -c 2500 $OUT/fp8_tests.log
+  step "FP8 weights against bfloat16, DeepSeek-V3's per-rank shapes at tp 8"
+  timeout 200 python3 benchmarks/cuda/bench_fp8.py --json $OUT/bench_fp8.json > $OUT/bench_fp8.log 2>&1
+  tail -12 $OUT/bench_fp8.log | cut -c1-400
 fi
 step "done"

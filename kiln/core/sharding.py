@@ -33,9 +33,12 @@ def expert_split(tp_rank: int, tp: int, ep: int) -> tuple[int, int, int, int]:
     return tp_rank // moe_tp, ep, tp_rank % moe_tp, moe_tp
 
 
-def tp_size_problems(hf_config: dict, tp: int, ep: int = 1) -> list[str]:
+def tp_size_problems(
+    hf_config: dict, tp: int, ep: int = 1, fp8_block: tuple[int, int] | None = None
+) -> list[str]:
     """Why these ranks cannot split this model: each dimension the layers divide by tp (the experts by ep, their
-    intermediate size by tp / ep) that it does not divide. Empty when tp and ep fit."""
+    intermediate size by tp / ep) that it does not divide, or (fp8_block: FP8 weights kept in their blocks) whose
+    per-rank part cuts a block, as SGLang refuses it. Empty when tp and ep fit."""
     heads = hf_config.get("num_attention_heads") or 0
     kv_heads = hf_config.get("num_key_value_heads") or heads
     moe_tp = tp // ep if ep and tp % ep == 0 else tp
@@ -45,6 +48,13 @@ def tp_size_problems(hf_config: dict, tp: int, ep: int = 1) -> list[str]:
         "moe_intermediate_size": (hf_config.get("moe_intermediate_size") or 0, moe_tp),
     }
     problems = [f"{name} {value}" for name, (value, by) in dims.items() if value and value % by]
+    if fp8_block is not None:  # gate/up rows and down columns per rank, each a whole number of blocks
+        side = max(fp8_block)
+        problems += [
+            f"{name} {value} (/ {by} = {value // by} per rank, not a multiple of the FP8 weight block {side})"
+            for name, (value, by) in dims.items()
+            if name.endswith("intermediate_size") and value and not value % by and (value // by) % side
+        ]
     if kv_heads and kv_heads % tp and tp % kv_heads:  # split evenly, or each head replicated on tp / kv ranks
         problems.append(f"num_key_value_heads {kv_heads}")
     if ep > 1:
@@ -56,5 +66,5 @@ def tp_size_problems(hf_config: dict, tp: int, ep: int = 1) -> list[str]:
     return problems
 
 
-def valid_tp_sizes(hf_config: dict, limit: int = 64) -> list[int]:
-    return [tp for tp in range(1, limit + 1) if not tp_size_problems(hf_config, tp)]
+def valid_tp_sizes(hf_config: dict, limit: int = 64, fp8_block: tuple[int, int] | None = None) -> list[int]:
+    return [tp for tp in range(1, limit + 1) if not tp_size_problems(hf_config, tp, fp8_block=fp8_block)]

@@ -1,5 +1,7 @@
 """Tensor-parallel linear layers. Each parameter carries a `weight_loader(param, loaded, shard_id=None)`
-that copies its own shard out of a full checkpoint tensor."""
+that copies its own shard out of a full checkpoint tensor. A weight may be held in FP8 blocks
+(kiln.layers.fp8_linear): the loaders copy its block factors with the same shard, and `_matmul` multiplies it as
+stored."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from torch import nn
 from kiln.core.sharding import divide, kv_heads_per_rank
 from kiln.distributed import all_reduce, tp_rank, tp_size
 from kiln.layers.cpu_gemm import linear, prepack
+from kiln.layers.fp8_linear import copy_blocks
 from kiln.layers.quant_rows import keep_rows, pop_rows
 
 
@@ -21,16 +24,27 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
 class _PrepackableLinear(nn.Module):
     weight: nn.Parameter
     packed = False
+    fp8_weight_names: tuple[str, ...] = ("weight",)  # what an FP8 checkpoint's weights are kept in FP8 for
+    fp8_block: tuple[int, int] | None = None  # set when the weight is held in FP8 blocks
 
     def prepack_weights(self) -> bool:
         """After loading: swap the weight for its prepacked CPU layout where that exists (quantized, when the
         weight came from GGUF blocks the --cpu-gemm mode keeps, or under --quantization int8)."""
+        if self.fp8_block is not None:  # multiplied as stored
+            return False
         packed = prepack(self.weight, pop_rows(self.weight), quantize=True)
         if packed is None:
             return False
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.packed = True
         return True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8_block is not None:
+            from kiln.layers.triton_fp8 import fp8_block_linear  # Triton, imported only where FP8 is kept
+
+            return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, bias)
+        return linear(x, self.weight, bias, self.packed)
 
 
 class ColumnParallelLinear(_PrepackableLinear):
@@ -51,9 +65,10 @@ class ColumnParallelLinear(_PrepackableLinear):
         param.data.narrow(0, dst, rows).copy_(loaded.narrow(0, src, rows))
         if param is self.weight:
             keep_rows(param, loaded, dst, src, rows)
+            copy_blocks(self, "weight", loaded, 0, dst, src, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -107,9 +122,10 @@ class ReplicatedLinear(_PrepackableLinear):
             )
         param.data.copy_(loaded)
         keep_rows(param, loaded, 0, 0, param.shape[0])
+        copy_blocks(self, "weight", loaded, 0, 0, 0, param.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None, self.packed)
+        return self._matmul(x, None)
 
 
 class RowParallelLinear(_PrepackableLinear):
@@ -125,12 +141,12 @@ class RowParallelLinear(_PrepackableLinear):
         start = tp_rank() * self.in_per_rank
         param.data.copy_(loaded.narrow(1, start, self.in_per_rank))
         keep_rows(param, loaded, 0, 0, param.shape[0], k_start=start, k_len=self.in_per_rank)
+        copy_blocks(self, "weight", loaded, 1, 0, start, self.in_per_rank)
 
     @staticmethod
     def _bias_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.packed)
-        y = all_reduce(y)
+        y = all_reduce(self._matmul(x, None))
         return y + self.bias if self.bias is not None else y

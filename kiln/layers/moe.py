@@ -23,6 +23,7 @@ from torch import nn
 from kiln.core.sharding import divide, expert_split
 from kiln.distributed import all_reduce, ep_size, tp_rank, tp_size
 from kiln.layers.activation import silu_and_mul
+from kiln.layers.fp8_linear import FIX, as_dtype, copy_blocks
 from kiln.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kiln.layers.rotary import check_choice as _check_choice
 
@@ -232,6 +233,9 @@ class FusedMoE(nn.Module):
         self.down_proj = _stacked_param((self.local_experts, hidden, self.per_rank), self.weight_loader)
         self.loaded_shards: set[tuple[int, str]] = set()
 
+    fp8_weight_names = ("gate_up_proj", "down_proj")  # kept in FP8 blocks for an FP8 checkpoint
+    fp8_block: tuple[int, int] | None = None  # set when they are (kiln.layers.fp8_linear)
+
     def _local(self, expert: int) -> int | None:
         """The expert's index among this rank's, None when another rank holds it."""
         local = expert - self.first_expert
@@ -249,18 +253,26 @@ class FusedMoE(nn.Module):
         _check_choice("expert weight part", part, EXPERT_PARTS)
         local = self._local(expert)
         start = self.tp_rank * self.per_rank
+        name = "down_proj" if part == "down" else "gate_up_proj"
         if part == "down":
             _check_shape(loaded, (self.hidden, self.intermediate), f"expert {expert} down_proj")
             if local is not None:
                 param.data[local].copy_(loaded.narrow(1, start, self.per_rank))
+                copy_blocks(self, name, loaded, 1, 0, start, self.per_rank, local)
         else:
             _check_shape(loaded, (self.intermediate, self.hidden), f"expert {expert} {part}_proj")
             if local is not None:
-                rows = param.data[local].narrow(0, 0 if part == "gate" else self.per_rank, self.per_rank)
-                rows.copy_(loaded.narrow(0, start, self.per_rank))
+                dst = 0 if part == "gate" else self.per_rank
+                param.data[local].narrow(0, dst, self.per_rank).copy_(loaded.narrow(0, start, self.per_rank))
+                copy_blocks(self, name, loaded, 0, dst, start, self.per_rank, local)
         self.loaded_shards.add((expert, part))
 
     def _load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.fp8_block is not None:
+            raise ValueError(
+                "routed experts stacked in one tensor (experts.gate_up_proj) in FP8 blocks are not implemented by "
+                f"Kiln: use per-expert tensors, {FIX}"
+            )
         e, h, i, n = self.num_experts, self.hidden, self.intermediate, self.per_rank
         start = self.tp_rank * n
         mine = slice(self.first_expert, self.first_expert + self.local_experts)
@@ -289,7 +301,9 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within each
         token = order // topk_ids.shape[1]
         rows = x.index_select(0, token)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if self.fp8_block is not None:
+            out = self._fp8_experts(rows, flat.index_select(0, order))
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._grouped_mm(rows, flat)
         else:
             out = self._per_expert(rows, flat)
@@ -308,6 +322,17 @@ class FusedMoE(nn.Module):
                 out[start:end] = F.linear(silu_and_mul(gate_up), self.down_proj[expert])
                 start = end
         return out
+
+    def _fp8_experts(self, rows: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
+        """The product with the experts' weights in FP8 blocks: one grouped kernel launch a projection, its
+        blocks of rows laid out on the device, so it neither syncs nor breaks a CUDA graph."""
+        from kiln.layers.triton_fp8 import fp8_grouped_linear  # Triton, imported only where FP8 is kept
+
+        block = self.fp8_block
+        gate_up = fp8_grouped_linear(rows, self.gate_up_proj, self.gate_up_proj_scale_inv, block, sorted_ids)
+        return fp8_grouped_linear(
+            silu_and_mul(gate_up), self.down_proj, self.down_proj_scale_inv, block, sorted_ids
+        )
 
     def _grouped_mm(self, rows: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """The same product without reading the per-expert counts on the host, which a CUDA graph cannot do:
@@ -398,7 +423,7 @@ def load_expert_weights(
         if param_name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
         param = params[param_name]
-        param.weight_loader(param, tensor.to(param.dtype), shard_id)  # type: ignore[attr-defined]
+        param.weight_loader(param, as_dtype(tensor, param.dtype), shard_id)  # type: ignore[attr-defined]
         loaded.add(param_name)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.layers.triton_import import available, check_runnable, tl, triton
+from kiln.layers.triton_import import available, check_runnable, dot_dtype, tl, tl_dtype, triton
 
 __all__ = [
     "available",
@@ -190,18 +190,6 @@ def decode_splits(width: int, max_splits: int, per_split: int) -> int:
     return max(1, min(max_splits, -(-width // per_split)))
 
 
-def dot_dtype(dtype: torch.dtype, gpu: bool) -> torch.dtype:
-    """The dtype the attention kernels' dots take for q in `dtype`: its own (half precision on tensor cores,
-    accumulating in float32; float32 in IEEE float32, the exact mode's arithmetic), except bfloat16 in Triton's
-    interpreter, which multiplies bfloat16 dot operands wrongly (Triton 3.9): float32 there, which holds the same
-    values and their exact products."""
-    return torch.float32 if dtype == torch.bfloat16 and not gpu else dtype
-
-
-def _tl(dtype: torch.dtype):
-    return getattr(tl, str(dtype).removeprefix("torch."))
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -228,7 +216,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         table.stride(0), mask_arg.stride(0), table.shape[1],
         GROUP=group, BLOCK_H=_pow2(group), D=dim, BLOCK_D=block_d, BLOCK_N=32, SPLITS=splits, HAS_MASK=has_mask,
-        DOT=_tl(dot or dot_dtype(q.dtype, q.is_cuda)),
+        DOT=tl_dtype(dot or dot_dtype(q.dtype, q.is_cuda)),
     )  # fmt: skip
     _decode_merge_kernel[(b, hq)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1),
@@ -307,6 +295,6 @@ def extend_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=hq // k.shape[1], D=dim, BLOCK_D=_pow2(dim), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        DOT=_tl(plan.dot), num_warps=plan.warps, num_stages=1,
+        DOT=tl_dtype(plan.dot), num_warps=plan.warps, num_stages=1,
     )  # fmt: skip
     return out

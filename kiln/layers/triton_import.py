@@ -24,6 +24,19 @@ except ImportError:  # Kiln runs without Triton; what needs it says how to get i
     tl = None
 
 
+def dot_dtype(dtype: torch.dtype, gpu: bool) -> torch.dtype:
+    """The dtype a kernel's dots take for operands in `dtype`: its own (half precision on tensor cores,
+    accumulating in float32; float32 in IEEE float32, the exact mode's arithmetic), except bfloat16 in Triton's
+    interpreter, which multiplies bfloat16 dot operands wrongly (Triton 3.9): float32 there, which holds the same
+    values and their exact products."""
+    return torch.float32 if dtype == torch.bfloat16 and not gpu else dtype
+
+
+def tl_dtype(dtype: torch.dtype):
+    """Triton's dtype for a torch dtype (a constexpr argument of a kernel)."""
+    return getattr(tl, str(dtype).removeprefix("torch."))
+
+
 def available() -> bool:
     return triton is not None
 

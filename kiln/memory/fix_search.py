@@ -14,7 +14,7 @@ from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
 from kiln.core.sharding import tp_size_problems
 from kiln.core.units import gib
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.memory.model_shapes import param_counts, weight_bytes
+from kiln.memory.model_shapes import fp8_weight_block, param_counts, weight_bytes
 
 Core = Callable[[LedgerInputs], Ledger]
 
@@ -169,7 +169,7 @@ def _dtype_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
     if dtype_bytes(inputs.dtype) > 2:
         trial = replace(inputs, dtype="bfloat16")
         if _fits(core, trial):
-            weights = weight_bytes(inputs.hf_config, inputs.tp_size, 2)
+            weights = weight_bytes(inputs.hf_config, inputs.tp_size, 2, inputs.fp8_weights_kept)
             yield Candidate(
                 {"--dtype": "bfloat16"}, trial, f"--dtype bfloat16 (weights {gib(weights)} per rank)"
             )
@@ -180,8 +180,13 @@ def _tp_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
     heads and dimensions) the model fits on."""
     for tp in (2, 4, 8, 16):
         trial = replace(inputs, tp_size=tp)
-        if tp > inputs.tp_size and not tp_size_problems(inputs.hf_config, tp) and _fits(core, trial):
-            weights = weight_bytes(inputs.hf_config, tp, dtype_bytes(inputs.dtype))
+        block = fp8_weight_block(inputs.hf_config) if inputs.fp8_weights_kept else None
+        if (
+            tp > inputs.tp_size
+            and not tp_size_problems(inputs.hf_config, tp, fp8_block=block)
+            and _fits(core, trial)
+        ):
+            weights = weight_bytes(inputs.hf_config, tp, dtype_bytes(inputs.dtype), inputs.fp8_weights_kept)
             yield Candidate(
                 {"--tp-size": str(tp)}, trial, f"--tp-size {tp} (weights {gib(weights)} per rank)"
             )

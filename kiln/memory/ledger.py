@@ -222,7 +222,8 @@ def weight_lines(inputs: LedgerInputs, static: StaticBytes) -> list[LedgerLine]:
         LedgerLine(
             "weights",
             static.weights,
-            weight_inputs(inputs.hf_config, inputs.tp_size, inputs.dtype) + in_blocks,
+            weight_inputs(inputs.hf_config, inputs.tp_size, inputs.dtype, inputs.fp8_weights_kept)
+            + in_blocks,
         ),
     ]
     if static.packed_head:
@@ -230,7 +231,7 @@ def weight_lines(inputs: LedgerInputs, static: StaticBytes) -> list[LedgerLine]:
         text = f"CPU prepacked copy of the tied embedding: {how}"
         lines.append(LedgerLine("packed lm head", static.packed_head, text))
     if inputs.draft_hf_config:
-        text = weight_inputs(inputs.draft_hf_config, inputs.tp_size, inputs.dtype)
+        text = weight_inputs(inputs.draft_hf_config, inputs.tp_size, inputs.dtype, inputs.fp8_weights_kept)
         lines.append(LedgerLine("draft weights", static.draft_weights, text))
     return lines
 

@@ -51,7 +51,7 @@ class StaticBytes:
 
 def static_bytes(inputs: LedgerInputs) -> StaticBytes:
     element_bytes = dtype_bytes(inputs.dtype)
-    weights = weight_bytes(inputs.hf_config, inputs.tp_size, element_bytes)
+    weights = weight_bytes(inputs.hf_config, inputs.tp_size, element_bytes, inputs.fp8_weights_kept)
     prepacked = not inputs.device.startswith("cuda") and inputs.dtype == "float32" and inputs.weight_prepack
     packed_head = packed_lm_head_bytes(inputs.hf_config, inputs.tp_size) if prepacked else 0
     blocks = (
@@ -65,7 +65,9 @@ def static_bytes(inputs: LedgerInputs) -> StaticBytes:
         weights += blocks.linear_bytes - blocks.linear_params * element_bytes
         packed_head = blocks.head_bytes or packed_head
     draft = inputs.draft_hf_config
-    draft_weights = weight_bytes(draft, inputs.tp_size, element_bytes) if draft else 0
+    draft_weights = (
+        weight_bytes(draft, inputs.tp_size, element_bytes, inputs.fp8_weights_kept) if draft else 0
+    )
     return StaticBytes(weights, packed_head, draft_weights, blocks, prepacked and inputs.int8_linears)
 
 

@@ -45,6 +45,7 @@ class LedgerInputs:
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
     hicache_storage_dir: str | None = None  # the file storage tier's directory; None: no storage tier
     draft_hf_config: dict | None = None  # speculative decoding draft model
+    fp8_weights_kept: bool = False  # an FP8 checkpoint's weights held in FP8 (kiln.platform.fp8_weights_kept)
     # speculative decoding's graph shapes (kiln.speculative.settings.with_speculation fills them from the resolved
     # settings): verify rows per request (num_draft_tokens), and the draft's decode rows per request (its topk;
     # 0 without a draft model of its own)
@@ -109,6 +110,7 @@ class LedgerInputs:
             max_mamba_cache_size=args.max_mamba_cache_size,
             mamba_track_interval=args.mamba_track_interval,
             gguf_block_types=blocks,
+            fp8_weights_kept=platform.fp8_weights_kept(device),
             integer_kernels=bool(blocks) and platform.integer_compute(args.cpu_gemm),
             int8_linears=_int8_linears(args, device),
             draft_hf_config=_draft_config(args),

@@ -264,11 +264,32 @@ def packed_lm_head_bytes(hf_config: dict, tp_size: int) -> int:
     return math.ceil(required(cfg, "vocab_size") / tp_size) * required(cfg, "hidden_size") * 4
 
 
-def _linear_bytes_per_param(hf_config: dict, element_bytes: int) -> tuple[float, str]:
+def fp8_weight_block(hf_config: dict) -> tuple[int, int] | None:
+    """An FP8 block-quantized checkpoint's weight block (kiln/loader/fp8.py reads these), else None."""
+    q = hf_config.get("quantization_config") or {}
+    if str(q.get("quant_method") or "").lower() != "fp8":
+        return None
+    block = q.get("weight_block_size") or (128, 128)
+    return int(block[0]), int(block[1])
+
+
+def _latent_up_params(cfg: dict, tp: int) -> float:
+    """kv_b_proj's per-rank params: latent attention holds it in the serving dtype even from an FP8 checkpoint."""
+    if not is_mla(cfg):
+        return 0.0
+    nope, heads = int(cfg.get("qk_nope_head_dim") or 0), required(cfg, "num_attention_heads")
+    v = int(cfg.get("v_head_dim") or nope)
+    return required(cfg, "num_hidden_layers") * int(cfg["kv_lora_rank"]) * heads * (nope + v) / tp
+
+
+def _linear_bytes_per_param(hf_config: dict, element_bytes: int, fp8_kept: bool = False) -> tuple[float, str]:
     q = hf_config.get("quantization_config") or {}
     method = str(q.get("quant_method") or "").lower()
     if not method:
         return float(element_bytes), ""
+    block = fp8_weight_block(hf_config)
+    if block is not None and fp8_kept:  # kiln/layers/fp8_linear.py: 1 B a weight, a float32 factor a block
+        return 1.0 + 4 / (block[0] * block[1]), f"fp8 blocks kept (1 B + 4 B per {block[0]}x{block[1]} block)"
     if "fp8" in method:  # kiln/loader/fp8.py dequantizes the blocks at load: the weights are held unquantized
         return float(element_bytes), f"{method} checkpoint dequantized at load"
     if method in ("compressed-tensors", "modelopt"):
@@ -282,14 +303,19 @@ def _linear_bytes_per_param(hf_config: dict, element_bytes: int) -> tuple[float,
     return bits / 8 + (element_bytes + bits / 8) / group, f"{method} {bits}-bit, group {group}"
 
 
-def weight_bytes(hf_config: dict, tp_size: int, element_bytes: int) -> int:
-    """Per-rank weight bytes: parameter count from shapes (or GGUF's f32 total), quantized linears as stored."""
+def weight_bytes(hf_config: dict, tp_size: int, element_bytes: int, fp8_kept: bool = False) -> int:
+    """Per-rank weight bytes: parameter count from shapes (or GGUF's f32 total), quantized linears as stored;
+    an FP8 checkpoint's linears dequantized, or kept in FP8 (fp8_kept: kiln.platform.fp8_weights_kept), all but
+    latent attention's kv_b_proj."""
     gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
     f32 = gguf.get("weight_bytes_f32") or hf_config.get("kiln_gguf.weight_bytes_f32")
     if f32:  # GGUF tensors are dequantized to the serving dtype
         return math.ceil(int(f32) / 4 * element_bytes / tp_size)
     linear, other = param_counts(hf_config, tp_size)
-    per_param, _ = _linear_bytes_per_param(hf_config, element_bytes)
+    per_param, _ = _linear_bytes_per_param(hf_config, element_bytes, fp8_kept)
+    if fp8_kept and fp8_weight_block(hf_config) is not None:
+        plain = _latent_up_params(text_config(hf_config), tp_size)
+        linear, other = linear - plain, other + plain
     extra = _router_extra_bytes(text_config(hf_config), element_bytes)
     return math.ceil(linear * per_param + other * element_bytes) + extra
 
@@ -358,13 +384,13 @@ def int8_saved_bytes(hf_config: dict, tp_size: int, element_bytes: int, kept: tu
     return math.floor(params * (element_bytes - 1) - 4 * rows)
 
 
-def weight_inputs(hf_config: dict, tp_size: int, dtype: str) -> str:
+def weight_inputs(hf_config: dict, tp_size: int, dtype: str, fp8_kept: bool = False) -> str:
     gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
     f32 = gguf.get("weight_bytes_f32") or hf_config.get("kiln_gguf.weight_bytes_f32")
     if f32:
         return f"GGUF {int(f32) // 4:,} params dequantized to {dtype} / tp {tp_size}"
     linear, other = param_counts(hf_config, tp_size)
-    _, quant = _linear_bytes_per_param(hf_config, dtype_bytes(dtype))
+    _, quant = _linear_bytes_per_param(hf_config, dtype_bytes(dtype), fp8_kept)
     how = f"linears {quant}, rest {dtype}" if quant else dtype
     return f"{(linear + other) / 1e9:.3f}e9 params/rank (tp {tp_size}) x {how}"
 

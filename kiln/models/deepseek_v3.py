@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kiln.core.forward_batch import ForwardBatch, Pieces
+from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kiln.layers.moe import (
     MoESpec,
@@ -51,7 +52,9 @@ def check_config(hf_config: Any) -> None:
 class LatentUpProjection(ColumnParallelLinear):
     """kv_b_proj [H * (nope + v), lora], split by head across ranks. Decode reads its weight per head (the key
     half absorbed into the queries, the value half applied to the latent output), so it keeps the plain layout
-    instead of a prepacked one."""
+    instead of a prepacked one, and in the serving dtype for an FP8 checkpoint too (as SGLang dequantizes it)."""
+
+    fp8_weight_names = ()
 
     def __init__(self, dims: MlaDims, num_heads: int):
         super().__init__(dims.kv_lora_rank, num_heads * (dims.qk_nope_head_dim + dims.v_head_dim))
@@ -179,12 +182,12 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Passes the main model's tensors on; keeps the MTP layers' in mtp_weights, in the serving dtype (an FP8
-        checkpoint's come dequantized to float32) and where the checkpoint reader put them (host memory)."""
+        checkpoint's dequantized) and where the checkpoint reader put them (host memory)."""
         dtype = self.model.embed_tokens.weight.dtype
         for name, tensor in weights:
             match = _LAYER_INDEX.match(name)
             if match is not None and int(match[1]) >= self.cfg.num_layers:
-                self.mtp_weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                self.mtp_weights[name] = as_dtype(tensor, dtype) if tensor.is_floating_point() else tensor
             else:
                 yield name, tensor
 

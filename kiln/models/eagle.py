@@ -20,6 +20,7 @@ from torch import nn
 
 from kiln.core.forward_batch import ForwardBatch
 from kiln.layers.embedding import ParallelLMHead
+from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.linear import QKVParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
@@ -92,7 +93,9 @@ class _DraftHead(nn.Module):
             if name not in params:
                 continue  # SGLang skips what the head does not hold (a checkpoint's own norm or embedding)
             param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor.to(param.dtype), shard_id)
+            getattr(param, "weight_loader", default_weight_loader)(
+                param, as_dtype(tensor, param.dtype), shard_id
+            )
             loaded.add(name)
         return loaded
 

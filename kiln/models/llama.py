@@ -10,6 +10,7 @@ from torch import nn
 from kiln.core.forward_batch import ForwardBatch, Pieces
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, check_rope_type
@@ -171,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard_id)
+            loader(param, as_dtype(tensor, param.dtype), shard_id)
             loaded.add(name)
         return loaded
 

@@ -14,6 +14,7 @@ from kiln.core.sharding import divide, kv_heads_per_rank
 from kiln.core.units import gib
 from kiln.distributed import tp_size
 from kiln.layers.cpu_gemm import packed_layout_name
+from kiln.layers.fp8_linear import block_factor_bytes
 from kiln.loader.weights import LoadedModel, load_model
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import KVPool, LatentKVPool
@@ -66,13 +67,17 @@ class ModelRunner:
         self.model = loaded.model
         params = dict(self.model.named_parameters())  # shared (tied) parameters once
         head_copy = params.pop("lm_head.packed_weight", None)
-        weight_bytes = sum(p.nbytes for p in params.values())
+        weight_bytes = sum(p.nbytes for p in params.values()) + block_factor_bytes(self.model)
         self.measured["weights"] = weight_bytes
         if head_copy is not None:
             self.measured["packed_lm_head"] = head_copy.nbytes
             weight_bytes += head_copy.nbytes
         if loaded.prepacked_weights:
             self._log_prepacked(loaded, params, head_copy)
+        if loaded.fp8_weights:
+            logger.info(
+                f"Kept {loaded.fp8_weights} weights in FP8 blocks ({gib(block_factor_bytes(self.model))} of block scales)."
+            )
         logger.info(
             f"Load weight end. elapsed={loaded.seconds:.2f} s, type={self.model_config.architecture}, "
             f"dtype={self.dtype}, avail mem={self._avail()}, mem usage={gib(weight_bytes)}."

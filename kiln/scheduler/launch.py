@@ -18,12 +18,14 @@ import kiln.platform as platform
 from kiln.config import ServerArgs
 from kiln.core.dtypes import kv_cache_dtype_name, kv_torch_dtype, torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
+from kiln.layers.fp8_linear import FIX as FP8_FIX
 from kiln.layers.kernel_builds import build_kernels, kernels_for
 from kiln.loader.model_config import read_hf_config, resolve_model_path
 from kiln.memory.kv_pool import copyable
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table
 from kiln.memory.ledger_types import Ledger, LedgerInputs
+from kiln.memory.model_shapes import fp8_weight_block
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
@@ -87,13 +89,20 @@ def _agreed(inputs: LedgerInputs) -> LedgerInputs:
 
 
 def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
-    """Why --tp-size cannot split this model (a dimension it does not divide), naming the sizes that can."""
-    problems = sharding.tp_size_problems(hf_config, args.tp_size, args.ep_size)
+    """Why --tp-size cannot split this model (a dimension it does not divide, or an FP8 weight block it cuts
+    where FP8 weights are kept), naming the sizes that can."""
+    device = platform.detect_device() if args.device == "auto" else args.device
+    block = fp8_weight_block(hf_config) if platform.fp8_weights_kept(device) else None
+    problems = sharding.tp_size_problems(hf_config, args.tp_size, args.ep_size, block)
     if not problems:
         return None
-    sizes = ", ".join(str(tp) for tp in sharding.valid_tp_sizes(hf_config))
+    sizes = ", ".join(str(tp) for tp in sharding.valid_tp_sizes(hf_config, fp8_block=block))
     flags = f"--tp-size {args.tp_size}" + (f" --ep-size {args.ep_size}" if args.ep_size > 1 else "")
-    return f"{flags} does not divide this model's {', '.join(problems)}; tensor-parallel sizes that work: {sizes}"
+    fp8 = f"; {FP8_FIX}" if block else ""
+    return (
+        f"{flags} does not divide this model's {', '.join(problems)}; tensor-parallel sizes that work: {sizes}"
+        + fp8
+    )
 
 
 def hybrid_refusal(args: ServerArgs, model_config: ModelConfig) -> str | None:

@@ -1,0 +1,287 @@
+"""FP8 block weights kept as the checkpoint stores them (kiln/layers/fp8_linear.py, kiln/layers/triton_fp8.py),
+here in Triton's interpreter: the kernels against the dequantized weights in float64, a Qwen3-MoE FP8 checkpoint
+(merged q/k/v, row-parallel and expert weights in FP8) against transformers, and the refusals. DeepSeek-V3's
+FP8 checkpoint held both ways is tests/test_deepseek.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fp8_blocks import dequantize_reference, quantize_blocks, save_fp8_model
+from model_equality import (  # the fixtures among these apply to this module by being imported
+    BASE_ARGS,
+    generate,
+    ids_of,
+    one_torch_thread,  # noqa: F401
+    random_model,
+    reference_greedy,
+    reference_logits,
+    spy_logits,
+)
+from moe_models import TINY_MOE
+from test_correctness import make_prompt, token_stream
+
+import kiln
+from kiln.layers import fp8_linear
+from kiln.layers.triton_fp8 import expert_blocks, fp8_block_linear, fp8_grouped_linear
+
+pytest.importorskip("triton")
+FP8 = torch.float8_e4m3fn
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # natively on a GPU (benchmarks/cuda/cuda_checks.sh)
+
+
+def _weight(n: int, k: int, block: int, seed: int, experts: int | None = None):
+    """An fp8 weight [N, K] (or [E, N, K]) with a different factor in every block, and its float64 value."""
+    gen = torch.Generator().manual_seed(seed)
+    qs, scales, values = [], [], []
+    for _ in range(experts or 1):
+        q, scale = quantize_blocks(torch.randn(n, k, generator=gen), block)
+        scale = scale * (0.5 + torch.rand(scale.shape, generator=gen))  # blocks told apart by their factors
+        qs.append(q), scales.append(scale), values.append(dequantize_reference(q, scale, block).double())
+    if experts is None:
+        return qs[0].to(DEVICE), scales[0].to(DEVICE), values[0]
+    return torch.stack(qs).to(DEVICE), torch.stack(scales).to(DEVICE), torch.stack(values)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> None:
+    """Within one rounding to the output's dtype, plus float32 accumulation in another order: a few float32 eps of
+    the sum of the products' magnitudes (`magnitude`, |x| @ |w|^T)."""
+    allowed = torch.finfo(got.dtype).eps * want.abs() + 4 * torch.finfo(torch.float32).eps * magnitude
+    excess = (got.double().cpu() - want).abs() - allowed
+    assert excess.max() <= 0, (
+        f"{(excess > 0).sum().item()} outputs off by up to {excess.max().item():.3g} more"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [16, 128])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_the_kernel_multiplies_the_weight_its_blocks_hold(dtype, block, rows):
+    """Both dimensions end in a part block; 70 rows are two tiles of 64 in half precision, five of 16 in float32."""
+    n, k = 3 * block - 5, 2 * block + 3
+    weight, scale, value = _weight(n, k, block, seed=rows)
+    x = torch.randn(rows, k).to(dtype)
+    _close(
+        fp8_block_linear(x, weight, scale, (block, block)),
+        x.double() @ value.T,
+        x.double().abs() @ value.abs().T,
+    )
+
+
+def test_a_batch_of_sequences_a_strided_input_and_a_bias():
+    weight, scale, value = _weight(40, 48, 16, seed=1)
+    wide = torch.randn(2, 3, 64)
+    x = wide[..., :48]  # rows 64 apart, as a view of a wider projection's output
+    bias = torch.randn(40)
+    got = fp8_block_linear(x.to(DEVICE), weight, scale, (16, 16), bias.to(DEVICE))
+    assert got.shape == (2, 3, 40)
+    _close(got, x.double() @ value.T + bias.double(), x.double().abs() @ value.abs().T + bias.double().abs())
+    assert fp8_block_linear(torch.empty(0, 48, device=DEVICE), weight, scale, (16, 16)).shape == (0, 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_rows_take_their_own_experts_weight(dtype):
+    """Rows sorted by expert: an expert with none, one with more rows than a tile (float32's tiles are 16), and
+    rows of another rank's experts (ids >= E), which stay zero."""
+    experts, n, k = 5, 40, 48
+    weight, scale, value = _weight(n, k, 16, seed=3, experts=experts)
+    ids = torch.tensor([0, 0, 1] + [3] * 37 + [4, 5, 5, 7])
+    x = torch.randn(len(ids), k).to(dtype)
+    got = fp8_grouped_linear(x.to(DEVICE), weight, scale, (16, 16), ids.to(DEVICE)).cpu()
+    want, magnitude = (
+        torch.zeros(len(ids), n, dtype=torch.float64),
+        torch.zeros(len(ids), n, dtype=torch.float64),
+    )
+    for row, e in enumerate(ids.tolist()):
+        if e < experts:
+            want[row], magnitude[row] = x[row].double() @ value[e].T, x[row].double().abs() @ value[e].abs().T
+    _close(got, want, magnitude)
+    assert not got[ids >= experts].any()
+
+
+def test_expert_blocks_cover_each_experts_rows_once():
+    ids = torch.tensor([0, 0, 2, 2, 2, 2, 2, 4, 9, 9])
+    expert, first, count = expert_blocks(ids, 5, 2)
+    covered = []
+    for e, f, c in zip(expert.tolist(), first.tolist(), count.tolist()):
+        if e < 5:
+            assert 0 < c <= 2 and all(ids[f + i] == e for i in range(c))
+            covered += range(f, f + c)
+    assert covered == list(range(8))  # every row of an expert of this rank once, in order; none of expert 9's
+    assert len(expert) == 5 + 5  # as many as any 10 rows could need: a static shape
+
+
+def test_a_qwen3_moe_fp8_checkpoint_matches_transformers(tmp_path: Path, monkeypatch) -> None:
+    """Merged q/k/v, o_proj's row-parallel split and the experts held in FP8: transformers' logits and greedy
+    tokens on the dequantized weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    monkeypatch.setenv("KILN_FP8_WEIGHTS", "keep")
+    model, tok = random_model(Qwen3MoeConfig, Qwen3MoeForCausalLM, 5, **TINY_MOE)
+    save_fp8_model(model, tok, tmp_path, block=16, architecture="Qwen3MoeForCausalLM")
+    eng = kiln.Engine(model_path=str(tmp_path), **BASE_ARGS)
+    try:
+        held = {name: p.dtype for name, p in eng.scheduler.runner.model.named_parameters()}
+        for name in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.experts.gate_up_proj"):
+            assert held[f"model.layers.1.{name}"] == FP8, name
+        stream = token_stream()
+        prompts = [make_prompt(stream, n, 37 * i) for i, n in enumerate((1, 9, 40, 77))]
+        got, out = spy_logits(eng, prompts[2])
+        torch.testing.assert_close(got, reference_logits(model, prompts[2], out), rtol=0, atol=1e-4)
+        eng.scheduler.flush_cache()
+        assert ids_of(generate(eng, prompts)) == [reference_greedy(model, p) for p in prompts]
+    finally:
+        eng.shutdown()
+
+
+def _fp8_module(module: torch.nn.Module, block: int) -> torch.nn.Module:
+    from kiln.loader.weights import materialize
+
+    with torch.device("meta"):
+        module = module()
+    fp8_linear.convert_to_fp8(module, (block, block))
+    materialize(module, DEVICE)
+    return module
+
+
+def _checkpoint_tensor(rows: int, cols: int, block: int) -> torch.Tensor:
+    q, scale = quantize_blocks(torch.randn(rows, cols), block)
+    q.fp8_blocks = fp8_linear.Fp8Blocks(scale, (block, block))
+    return q
+
+
+def test_a_shard_that_cuts_a_block_is_refused_with_the_numbers():
+    from kiln.layers.linear import ColumnParallelLinear
+
+    layer = _fp8_module(lambda: ColumnParallelLinear(64, 48), 32)
+    with pytest.raises(
+        ValueError, match=r"48 rows \(from 48 of 96\) cuts the FP8 weight blocks of 32"
+    ) as err:
+        fp8_linear.copy_blocks(layer, "weight", _checkpoint_tensor(96, 64, 32), 0, 0, 48, 48)
+    assert "--tp-size" in str(err.value) and "KILN_FP8_WEIGHTS=dequantize" in str(err.value)
+    # a shard ending where the tensor does may end in a part block
+    fp8_linear.copy_blocks(layer, "weight", _checkpoint_tensor(80, 64, 32), 0, 0, 32, 48)
+    assert not layer.weight_scale_inv.isnan().any()
+
+
+def test_an_unquantized_tensor_for_an_fp8_weight_is_refused_and_an_unloaded_one_found():
+    from kiln.layers.linear import RowParallelLinear
+
+    layer = _fp8_module(lambda: RowParallelLinear(64, 32), 16)
+    with pytest.raises(ValueError, match="without block scales"):
+        layer.weight_loader(layer.weight, torch.randn(32, 64))
+    with pytest.raises(ValueError, match="weight_scale_inv: the load copied no block factors"):
+        fp8_linear.check_blocks_loaded(layer)
+    layer.weight_loader(layer.weight, _checkpoint_tensor(32, 64, 16))
+    fp8_linear.check_blocks_loaded(layer)
+
+
+def test_where_fp8_weights_are_kept(monkeypatch):
+    from kiln import platform
+    from kiln.core.envs import EnvError
+
+    monkeypatch.delenv("KILN_FP8_WEIGHTS", raising=False)
+    assert not platform.fp8_weights_kept("cpu")
+    if not torch.cuda.is_available():  # a CUDA plan made here: the deployments' H100 / H200 keep them
+        assert platform.fp8_weights_kept("cuda")
+    monkeypatch.setenv("KILN_FP8_WEIGHTS", "keep")
+    assert platform.fp8_weights_kept("cpu")
+    monkeypatch.setenv("KILN_FP8_WEIGHTS", "dequantize")
+    assert not platform.fp8_weights_kept("cuda")
+    monkeypatch.setenv("KILN_FP8_WEIGHTS", "sometimes")
+    with pytest.raises(EnvError, match="auto, keep, dequantize"):
+        platform.fp8_weights_kept("cpu")
+
+
+def test_two_ranks_hold_their_shards_of_the_values_and_the_factors(monkeypatch):
+    """tp 2 simulated: column-parallel halves concatenated, and row-parallel and expert partial sums added (the
+    all-reduce), equal the products with the whole dequantized weights; the up rows of each expert's gate_up sit
+    a block past its gate rows, and down's columns split by rank."""
+    import torch.nn.functional as F
+
+    import kiln.distributed as distributed
+    import kiln.layers.linear as linear
+    import kiln.layers.moe as moe
+
+    monkeypatch.setattr(linear, "all_reduce", lambda t: t)
+    monkeypatch.setattr(moe, "all_reduce", lambda t: t)
+    column, row = _checkpoint_tensor(64, 48, 16), _checkpoint_tensor(40, 64, 16)
+    experts = {(e, part): _checkpoint_tensor(*((48, 32) if part == "down" else (32, 48)), 16)
+               for e in range(3) for part in ("gate", "up", "down")}  # fmt: skip
+    x = torch.randn(5, 48)
+    ids, weights = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]]), torch.rand(5, 2)
+    on = (x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE))
+    halves, partial, routed = [], [], []
+    for rank in range(2):
+        monkeypatch.setattr(distributed, "_TP", distributed.TPGroup(rank=rank, size=2))
+        col = _fp8_module(lambda: linear.ColumnParallelLinear(48, 64), 16)
+        col.weight_loader(col.weight, column)
+        down = _fp8_module(lambda: linear.RowParallelLinear(64, 40), 16)
+        down.weight_loader(down.weight, row)
+        layer = _fp8_module(lambda: moe.FusedMoE(3, 48, 32), 16)
+        for (e, part), tensor in experts.items():
+            stacked = layer.down_proj if part == "down" else layer.gate_up_proj
+            layer.weight_loader(stacked, tensor, (e, part))
+        fp8_linear.check_blocks_loaded(layer)
+        halves.append(col(on[0]))
+        partial.append(down(halves[-1]).cpu())
+        routed.append(layer(*on).cpu())
+    value = {key: dequantize_reference(t, t.fp8_blocks.scale_inv, 16) for key, t in experts.items()}
+    h = x @ dequantize_reference(column, column.fp8_blocks.scale_inv, 16).T
+    torch.testing.assert_close(torch.cat(halves, 1).cpu(), h, rtol=1e-5, atol=1e-5)
+    want = h @ dequantize_reference(row, row.fp8_blocks.scale_inv, 16).T
+    torch.testing.assert_close(partial[0] + partial[1], want, rtol=1e-5, atol=1e-4)
+    want = torch.zeros_like(x)
+    for t in range(5):
+        for k in range(2):
+            e = int(ids[t, k])
+            act = F.silu(x[t] @ value[e, "gate"].T) * (x[t] @ value[e, "up"].T)
+            want[t] += weights[t, k] * (act @ value[e, "down"].T)
+    torch.testing.assert_close(routed[0] + routed[1], want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_tp_size_that_cuts_the_fp8_blocks_is_refused_before_launch(monkeypatch):
+    """Qwen3-30B-A3B-FP8 at tp 8: each rank's 96 of an expert's 768 intermediate rows cut the 128-row blocks
+    (SGLang refuses it too). Whole experts per rank (--ep-size 8) or the weights dequantized serve it."""
+    from types import SimpleNamespace
+
+    from kiln.scheduler.launch import tp_refusal
+
+    monkeypatch.delenv("KILN_FP8_WEIGHTS", raising=False)
+    config = {
+        "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    }  # fmt: skip
+    args = SimpleNamespace(device="cuda", tp_size=8, ep_size=1)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU dequantizes FP8 weights: nothing to cut")
+    refusal = tp_refusal(args, config)
+    assert (
+        "moe_intermediate_size 768 (/ 8 = 96 per rank, not a multiple of the FP8 weight block 128)" in refusal
+    )
+    assert "sizes that work: 1, 2;" in refusal and "KILN_FP8_WEIGHTS=dequantize" in refusal
+    assert tp_refusal(SimpleNamespace(device="cuda", tp_size=8, ep_size=8), config) is None
+    assert (
+        tp_refusal(SimpleNamespace(device="cpu", tp_size=8, ep_size=1), config) is None
+    )  # dequantized there
+    monkeypatch.setenv("KILN_FP8_WEIGHTS", "dequantize")
+    assert tp_refusal(args, config) is None
+
+
+def test_kiln_plan_refuses_it_too(monkeypatch, model_dir, capsys):
+    from test_ledger import QWEN3_30B_A3B
+
+    import kiln.plan as plan
+
+    monkeypatch.delenv("KILN_FP8_WEIGHTS", raising=False)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU dequantizes FP8 weights: nothing to cut")
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    path = model_dir({**QWEN3_30B_A3B, "quantization_config": fp8}, "qwen3-30b-a3b-fp8")
+    argv = ["--model-path", path, "--device", "cuda", "--device-memory", "141GiB", "--json"]
+    assert plan.main([*argv, "--tp-size", "8"]) == 2
+    assert "not a multiple of the FP8 weight block 128" in capsys.readouterr().err
+    assert plan.main([*argv, "--tp-size", "2"]) == 0  # 384 rows a rank: three blocks
