@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -173,7 +174,9 @@ def fp8_weights_kept(device: str) -> bool:
     mode = envs.fp8_weights()
     if mode != "auto":
         return mode == "keep"
-    if not device.startswith("cuda"):
+    if (
+        not device.startswith("cuda") or importlib.util.find_spec("triton") is None
+    ):  # the kernels are Triton's
         return False
     import torch
 

@@ -80,8 +80,8 @@ def record_launches(arch: int) -> list[Launch]:
     for dtype in HALF:
         for fn, args in fused_calls(dtype):
             call(fn, *args, op=fn.__name__, dtype=dtype)
-    for dtype, rows in fp8_calls(arch):
-        call(triton_fp8.fp8_block_linear, *rows, op="fp8_block_linear", dtype=dtype, rows=rows[0].shape[0])
+    for fn, dtype, rows in fp8_calls(arch):
+        call(fn, *rows, op=fn.__name__, dtype=dtype, rows=rows[0].shape[0])
     return launches
 
 
@@ -133,10 +133,16 @@ def fp8_calls(arch: int):
         return
     weight = torch.empty(7168, 2048, dtype=torch.float8_e4m3fn)
     scale = torch.empty(56, 16, dtype=torch.float32)
+    experts = torch.empty(256, 512, 7168, dtype=torch.float8_e4m3fn)  # the routed experts' gate_up at tp 8
+    expert_scale = torch.empty(256, 4, 56, dtype=torch.float32)
     for dtype in (*HALF, torch.float32):
+        dot = triton_fp8.dot_dtype(dtype, gpu=True)
         for rows in (4, 512):
             x = torch.empty(rows, 2048, dtype=dtype)
-            yield dtype, (x, weight, scale, (128, 128), None, triton_fp8.dot_dtype(dtype, gpu=True))
+            yield triton_fp8.fp8_block_linear, dtype, (x, weight, scale, (128, 128), None, dot)
+            ids = torch.zeros(rows, dtype=torch.int64)
+            x = torch.empty(rows, 7168, dtype=dtype)
+            yield triton_fp8.fp8_grouped_linear, dtype, (x, experts, expert_scale, (128, 128), ids, dot)
 
 
 def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict, target: GPUTarget):

@@ -255,7 +255,7 @@ def test_a_tp_size_that_cuts_the_fp8_blocks_is_refused_before_launch(monkeypatch
         "moe_intermediate_size": 768, "num_experts": 128,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     }  # fmt: skip
-    args = SimpleNamespace(device="cuda", tp_size=8, ep_size=1)
+    args = SimpleNamespace(device="cuda", tp_size=8, ep_size=1, load_format="auto")
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("this GPU dequantizes FP8 weights: nothing to cut")
     refusal = tp_refusal(args, config)
@@ -263,10 +263,11 @@ def test_a_tp_size_that_cuts_the_fp8_blocks_is_refused_before_launch(monkeypatch
         "moe_intermediate_size 768 (/ 8 = 96 per rank, not a multiple of the FP8 weight block 128)" in refusal
     )
     assert "sizes that work: 1, 2;" in refusal and "KILN_FP8_WEIGHTS=dequantize" in refusal
-    assert tp_refusal(SimpleNamespace(device="cuda", tp_size=8, ep_size=8), config) is None
+    assert tp_refusal(SimpleNamespace(**{**vars(args), "ep_size": 8}), config) is None
     assert (
-        tp_refusal(SimpleNamespace(device="cpu", tp_size=8, ep_size=1), config) is None
-    )  # dequantized there
+        tp_refusal(SimpleNamespace(**{**vars(args), "load_format": "dummy"}), config) is None
+    )  # bfloat16 drawn
+    assert tp_refusal(SimpleNamespace(**{**vars(args), "device": "cpu"}), config) is None  # dequantized there
     monkeypatch.setenv("KILN_FP8_WEIGHTS", "dequantize")
     assert tp_refusal(args, config) is None
 
@@ -285,3 +286,92 @@ def test_kiln_plan_refuses_it_too(monkeypatch, model_dir, capsys):
     assert plan.main([*argv, "--tp-size", "8"]) == 2
     assert "not a multiple of the FP8 weight block 128" in capsys.readouterr().err
     assert plan.main([*argv, "--tp-size", "2"]) == 0  # 384 rows a rank: three blocks
+
+
+def test_a_cast_that_would_drop_or_saturate_fp8_is_refused():
+    """A tensor bound for an FP8 weight must bring its block factors, and an fp8 tensor bound for another dtype
+    must have them to be dequantized: a plain cast would read the weight as noise."""
+    with pytest.raises(ValueError, match="without FP8 block scales"):
+        fp8_linear.as_dtype(torch.randn(4, 4), FP8)
+    with pytest.raises(ValueError, match="without FP8 block scales"):
+        fp8_linear.as_dtype(torch.randn(4, 4).to(FP8), torch.bfloat16)
+    held = _checkpoint_tensor(32, 32, 16)
+    assert fp8_linear.as_dtype(held, FP8) is held
+    want = dequantize_reference(held, held.fp8_blocks.scale_inv, 16)
+    assert torch.equal(fp8_linear.as_dtype(held, torch.float32), want)
+
+
+def test_replicated_kv_heads_take_their_heads_blocks(monkeypatch):
+    """tp 4 over 2 KV heads: ranks 0 and 1 hold KV head 0, ranks 2 and 3 head 1, each its own query head; each
+    rank's q, k and v rows and their factors sit a block apart in the merged weight."""
+    import kiln.distributed as distributed
+    from kiln.layers.linear import QKVParallelLinear
+
+    parts = {part: _checkpoint_tensor(rows, 32, 16) for part, rows in (("q", 64), ("k", 32), ("v", 32))}
+    value = {part: dequantize_reference(t, t.fp8_blocks.scale_inv, 16) for part, t in parts.items()}
+    x = torch.randn(3, 32)
+    for rank in range(4):
+        monkeypatch.setattr(distributed, "_TP", distributed.TPGroup(rank=rank, size=4))
+        layer = _fp8_module(lambda: QKVParallelLinear(32, 16, 4, 2), 16)
+        for part, tensor in parts.items():
+            layer.weight_loader(layer.weight, tensor, part)
+        fp8_linear.check_blocks_loaded(layer)
+        kv = slice(16 * (rank // 2), 16 * (rank // 2) + 16)
+        want = torch.cat([value["q"][16 * rank : 16 * rank + 16], value["k"][kv], value["v"][kv]])
+        torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), x @ want.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_experts_replay_in_a_cuda_graph_without_a_host_sync(monkeypatch):
+    """The routed experts in FP8 are captured and replayed (new routing each replay) under torch's sync check,
+    giving the eager product."""
+    import kiln.layers.moe as moe
+
+    monkeypatch.setattr(moe, "all_reduce", lambda t: t)
+    layer = _fp8_module(lambda: moe.FusedMoE(8, 128, 256), 128)
+    for e in range(8):
+        for part in ("gate", "up", "down"):
+            shape = (128, 256) if part == "down" else (256, 128)
+            stacked = layer.down_proj if part == "down" else layer.gate_up_proj
+            layer.weight_loader(stacked, _checkpoint_tensor(*shape, 128), (e, part))
+    x = torch.randn(4, 128, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.randint(0, 8, (4, 2), device=DEVICE)
+    weights = torch.rand(4, 2, device=DEVICE)
+    layer(x, weights, ids)  # compiles the kernels before the capture
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")  # any host read of a device value inside raises
+    try:
+        with torch.cuda.graph(graph):
+            out = layer(x, weights, ids)
+        layer(x, weights, ids)  # eagerly too: no per-expert counts read back
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for seed in range(3):
+        routing = torch.randint(0, 8, (4, 2), generator=torch.Generator().manual_seed(seed))
+        ids.copy_(routing.to(DEVICE))
+        graph.replay()
+        eager = layer(x, weights, ids)
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_a_qwen3_next_fp8_checkpoint_matches_transformers(tmp_path: Path, monkeypatch) -> None:
+    """The hybrid model's linear-attention input projection is reordered at load and left in the serving dtype,
+    from FP8 tensors dequantized first; its output projection, attention and experts are held in FP8."""
+    from hybrid_models import hybrid_hf_model
+
+    monkeypatch.setenv("KILN_FP8_WEIGHTS", "keep")
+    model, tok = hybrid_hf_model(seed=4)
+    save_fp8_model(model, tok, tmp_path, block=16, architecture="Qwen3NextForCausalLM")
+    eng = kiln.Engine(model_path=str(tmp_path), **BASE_ARGS)
+    try:
+        held = {name: p.dtype for name, p in eng.scheduler.runner.model.named_parameters()}
+        assert held["model.layers.0.linear_attn.in_proj.weight"] == torch.float32
+        assert held["model.layers.0.linear_attn.out_proj.weight"] == FP8
+        assert sum(dtype == FP8 for dtype in held.values()) > 10
+        prompt = make_prompt(token_stream(), 40, 0)
+        got, out = spy_logits(eng, prompt)  # every step's logits (the Triton interpreter is slow: one prompt)
+        torch.testing.assert_close(got, reference_logits(model, prompt, out), rtol=0, atol=1e-4)
+        assert out == reference_greedy(model, prompt)
+    finally:
+        eng.shutdown()

@@ -53,8 +53,18 @@ def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor as a parameter of `dtype` takes it: an fp8 tensor with its blocks stays as it is for an
     fp8 parameter and is dequantized for any other; every other tensor is converted."""
     blocks: Fp8Blocks | None = getattr(tensor, "fp8_blocks", None)
-    if blocks is not None and dtype != tensor.dtype:
-        return dequantize_blocks(tensor, blocks.scale_inv, blocks.block).to(dtype)
+    if blocks is not None:
+        return (
+            tensor
+            if dtype == tensor.dtype
+            else dequantize_blocks(tensor, blocks.scale_inv, blocks.block).to(dtype)
+        )
+    if FP8 in (dtype, tensor.dtype):  # a cast would saturate or drop the factors: a weight read as noise
+        raise ValueError(
+            f"a {tensor.dtype} checkpoint tensor of shape {tuple(tensor.shape)} for a {dtype} parameter, without "
+            "FP8 block scales: Kiln holds in FP8 only what an FP8 block-quantized checkpoint (quantization_config "
+            f"quant_method fp8, X.weight with X.weight_scale_inv) stores so; {FIX}"
+        )
     return tensor.to(dtype)
 
 

@@ -379,6 +379,8 @@ class SparseMoeBlock(nn.Module):
         )
         # one output row: every rank computes the whole gate from its whole input
         self.shared_expert_gate = ReplicatedLinear(spec.hidden_size, 1) if spec.shared_expert_gate else None
+        if self.shared_expert_gate is not None:  # one row, which FP8 checkpoints leave unquantized
+            self.shared_expert_gate.fp8_weight_names = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

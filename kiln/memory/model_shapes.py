@@ -269,7 +269,9 @@ def fp8_weight_block(hf_config: dict) -> tuple[int, int] | None:
     q = hf_config.get("quantization_config") or {}
     if str(q.get("quant_method") or "").lower() != "fp8":
         return None
-    block = q.get("weight_block_size") or (128, 128)
+    block = q.get("weight_block_size")  # without it the loader refuses the config (kiln/loader/fp8.py)
+    if not (isinstance(block, list | tuple) and len(block) == 2):
+        return None
     return int(block[0]), int(block[1])
 
 

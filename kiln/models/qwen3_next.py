@@ -22,6 +22,7 @@ from torch import nn
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode, Pieces
 from kiln.distributed import ep_size, tp_size
+from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.gated_delta import (
     causal_conv1d_decode,
     causal_conv1d_extend,
@@ -183,6 +184,9 @@ class GatedDeltaNet(nn.Module):
         self.linear_layer = linear_layer  # the layer's index in the state pool, among linear layers
         qkvz, ba = 2 * spec.key_dim + 2 * spec.value_dim, 2 * spec.num_value_heads
         self.in_proj = MergedColumnParallelLinear(cfg.hidden_size, [qkvz, ba])
+        # held in the serving dtype from an FP8 checkpoint too: in_proj_ba is left unquantized there, and the rows
+        # are reordered at load (Qwen3NextForCausalLM._renamed), where their block factors would not follow
+        self.in_proj.fp8_weight_names = ()
         self.conv1d = CausalConv1d(spec.conv_dim, spec.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(spec.num_value_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(spec.num_value_heads), requires_grad=False)
@@ -338,8 +342,8 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             if name.startswith("mtp."):
                 continue
             name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
-            if name.endswith("in_proj_qkvz.weight"):
-                tensor = qkvz_rows_by_kind(tensor, spec)
+            if name.endswith("in_proj_qkvz.weight"):  # reordered dequantized (in_proj is not held in FP8)
+                tensor = qkvz_rows_by_kind(as_dtype(tensor, torch.float32), spec)
             elif name.endswith("in_proj_ba.weight"):
-                tensor = ba_rows_by_kind(tensor, spec)
+                tensor = ba_rows_by_kind(as_dtype(tensor, torch.float32), spec)
             yield name, tensor
