@@ -375,3 +375,23 @@ def test_a_qwen3_next_fp8_checkpoint_matches_transformers(tmp_path: Path, monkey
         assert out == reference_greedy(model, prompt)
     finally:
         eng.shutdown()
+
+
+def test_the_attention_parts_a_rank_holds_must_be_whole_blocks_too():
+    """Merged q / k / v rows start each part on a block; a KV head of 64 rows per rank cuts one. DeepSeek-V3's
+    latent attention holds whole blocks a rank at tp 32, where its MLPs' 576 and experts' 64 rows a rank do not."""
+    from test_ledger import DEEPSEEK_V3
+
+    from kiln.core.sharding import tp_size_problems
+
+    gqa = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "hidden_size": 2048,
+           "intermediate_size": 8192}  # fmt: skip
+    block = (128, 128)
+    (problem,) = tp_size_problems(gqa, 8, fp8_block=block)
+    assert problem.startswith("key / value rows (kv heads x head_dim) 512 (/ 8 = 64 per rank")
+    assert tp_size_problems(gqa, 4, fp8_block=block) == [] and tp_size_problems(gqa, 8) == []
+    assert tp_size_problems(DEEPSEEK_V3, 16, fp8_block=block) == []
+    assert [p.split(" (")[0] for p in tp_size_problems(DEEPSEEK_V3, 32, fp8_block=block)] == [
+        "intermediate_size 18432",
+        "moe_intermediate_size 2048",
+    ]

@@ -48,13 +48,8 @@ def tp_size_problems(
         "moe_intermediate_size": (hf_config.get("moe_intermediate_size") or 0, moe_tp),
     }
     problems = [f"{name} {value}" for name, (value, by) in dims.items() if value and value % by]
-    if fp8_block is not None:  # gate/up rows and down columns per rank, each a whole number of blocks
-        side = max(fp8_block)
-        problems += [
-            f"{name} {value} (/ {by} = {value // by} per rank, not a multiple of the FP8 weight block {side})"
-            for name, (value, by) in dims.items()
-            if name.endswith("intermediate_size") and value and not value % by and (value // by) % side
-        ]
+    if fp8_block is not None and not problems:
+        problems += _fp8_block_problems(hf_config, tp, moe_tp, max(fp8_block))
     if kv_heads and kv_heads % tp and tp % kv_heads:  # split evenly, or each head replicated on tp / kv ranks
         problems.append(f"num_key_value_heads {kv_heads}")
     if ep > 1:
@@ -64,6 +59,32 @@ def tp_size_problems(
         elif experts % ep:
             problems.append(f"routed experts {experts} (by --ep-size {ep})")
     return problems
+
+
+def _fp8_block_problems(hf_config: dict, tp: int, moe_tp: int, side: int) -> list[str]:
+    """The per-rank parts of FP8-held weights that cut a block of `side`: the MLP's and each expert's
+    intermediate rows (gate / up) and columns (down), the attention's query (and key / value) rows and its output
+    columns. Latent attention's kv_b_proj is held dequantized and the latent down-projections replicated."""
+    heads = hf_config.get("num_attention_heads") or 0
+    parts = {
+        "intermediate_size": (hf_config.get("intermediate_size") or 0, tp),
+        "moe_intermediate_size": (hf_config.get("moe_intermediate_size") or 0, moe_tp),
+    }
+    if heads:
+        if hf_config.get("kv_lora_rank"):  # q_b_proj (or q_proj) rows, o_proj columns
+            nope, rope = hf_config.get("qk_nope_head_dim") or 0, hf_config.get("qk_rope_head_dim") or 0
+            parts["query rows (heads x qk head dim)"] = (heads * (nope + rope), tp)
+            parts["o_proj columns (heads x v_head_dim)"] = (heads * (hf_config.get("v_head_dim") or nope), tp)
+        else:  # the merged q / k / v rows: each part starts on a block
+            head_dim = hf_config.get("head_dim") or (hf_config.get("hidden_size") or 0) // heads
+            kv = hf_config.get("num_key_value_heads") or heads
+            parts["query rows (heads x head_dim)"] = (heads * head_dim, tp)
+            parts["key / value rows (kv heads x head_dim)"] = (kv * head_dim, min(tp, kv))
+    return [
+        f"{name} {value} (/ {by} = {value // by} per rank, not a multiple of the FP8 weight block {side})"
+        for name, (value, by) in parts.items()
+        if value and not value % by and (value // by) % side
+    ]
 
 
 def valid_tp_sizes(hf_config: dict, limit: int = 64, fp8_block: tuple[int, int] | None = None) -> list[int]:
