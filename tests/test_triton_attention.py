@@ -78,7 +78,7 @@ def test_decode_mask_holes_and_no_mask():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hk", [(8, 2), (34, 2)], ids=["group-4", "group-17"])
 def test_decode_in_half_precision_within_its_rounding(dtype, hq, hk):
-    """Half-precision decode: each KV head's query heads as one tile of a dot (17 of them pad to a 32-row tile),
+    """Half-precision decode: each KV head's query heads as tiles of a dot (17 of them take two 16-row tiles),
     the softmax weights rounded to v's dtype as flash attention rounds them, sums in float32; within the dtype's
     rounding of float32 attention over the same values."""
     k_cache, v_cache = pool(300, hk, 64, dtype)

@@ -1,8 +1,8 @@
 """Attention kernels in Triton that read the paged KV pool in place, in the manner of SGLang's Triton backend.
 
 Decode is split-K: each (request, KV head) has its KV slots cut into `splits` chunks, a first kernel computes each
-chunk's softmax-weighted sum of V and its log-sum-exp for all the query heads that share the KV head (one tile, so
-a K or V row is read once for the group, SGLang's grouped decode), and a second merges the chunks, so a long
+chunk's softmax-weighted sum of V and its log-sum-exp for all the query heads that share the KV head (one tile of
+up to 16 of them, so a K or V row is read once for the group, SGLang's grouped decode), and a second merges the chunks, so a long
 context spreads over many programs rather than one. Extend runs each request's new tokens in blocks of rows over
 its cached prefix (read from the pool through its slots) and then over its own new K and V, causally, with an
 online softmax.
@@ -34,6 +34,11 @@ __all__ = [
 ]
 
 
+# the most query heads of a group one decode program takes (SGLang's cap): a larger group (MQA-like models with 32
+# or more query heads a KV head) is spread over more programs rather than one tall tile
+MAX_BLOCK_H = 16
+
+
 def _pow2(n: int) -> int:
     return max(16, 1 << (max(1, n) - 1).bit_length())
 
@@ -61,19 +66,21 @@ if triton is not None:
     def _decode_split_kernel(
         Q, K, V, Table, Mask, MidO, MidLse, scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_mb,
-        width,
+        width, num_heads,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        # a KV head's query heads in tiles of BLOCK_H: one tile for a group up to 16 (the usual), more beyond
+        tiles = tl.cdiv(GROUP, BLOCK_H)
+        kvh, tile = tl.program_id(1) // tiles, tl.program_id(1) % tiles
         s = tl.program_id(2)
         per_split = tl.cdiv(width, SPLITS)
         start = s * per_split
         end = tl.minimum(start + per_split, width)
         # the GROUP query heads that share KV head kvh, as rows of one tile (padded to BLOCK_H, at least a dot's
         # 16): each K and V row is read once for all of them, not once per query head
-        g = tl.arange(0, BLOCK_H)
+        g = tile * BLOCK_H + tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + g
         hmask = g < GROUP
         d = tl.arange(0, BLOCK_D)
@@ -97,7 +104,7 @@ if triton is not None:
                 V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                 valid, valid[None, :], dmask, scale, top, total, acc, DOT,
             )  # fmt: skip
-        rows = (b * tl.num_programs(1) * GROUP + heads) * SPLITS + s
+        rows = (b * num_heads + heads) * SPLITS + s
         safe = tl.where(total > 0, total, 1.0)
         tl.store(MidO + rows[:, None] * BLOCK_D + d[None, :], acc / safe[:, None], mask=hmask[:, None])
         tl.store(MidLse + rows, tl.where(total > 0, top + tl.log(safe), -float("inf")), mask=hmask)
@@ -211,11 +218,12 @@ def decode_attention(
     out = torch.empty_like(q)
     has_mask = mask is not None
     mask_arg = mask if has_mask else table
-    _decode_split_kernel[(b, hk, splits)](
+    block_h = min(MAX_BLOCK_H, _pow2(group))
+    _decode_split_kernel[(b, hk * triton.cdiv(group, block_h), splits)](
         q, k_cache, v_cache, table, mask_arg, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        table.stride(0), mask_arg.stride(0), table.shape[1],
-        GROUP=group, BLOCK_H=_pow2(group), D=dim, BLOCK_D=block_d, BLOCK_N=32, SPLITS=splits, HAS_MASK=has_mask,
+        table.stride(0), mask_arg.stride(0), table.shape[1], hq,
+        GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_D=block_d, BLOCK_N=32, SPLITS=splits, HAS_MASK=has_mask,
         DOT=tl_dtype(dot or dot_dtype(q.dtype, q.is_cuda)),
     )  # fmt: skip
     _decode_merge_kernel[(b, hq)](
