@@ -166,17 +166,19 @@ def int8_kernels(mode: str) -> bool:
     return check_cpu_gemm(mode) != "onednn" and cpu_runs_kiln_kernel()
 
 
-def fp8_weights_kept(device: str) -> bool:
+def fp8_weights_kept(device: str, load_format: str = "auto") -> bool:
     """Whether an FP8 block-quantized checkpoint keeps its weights in FP8 on `device` (kiln.layers.fp8_linear)
-    rather than dequantized at load: KILN_FP8_WEIGHTS=keep everywhere (the CPU runs the kernels in Triton's
-    interpreter, for tests), dequantize nowhere; auto on CUDA from compute capability 8.9, where Triton converts
-    e4m3 (an A100 dequantizes), and on CUDA planned from a machine without a GPU (the deployments' H100 and H200)."""
+    rather than dequantized at load: never for --load-format dummy (random weights in the serving dtype);
+    KILN_FP8_WEIGHTS=keep everywhere (the CPU runs the kernels in Triton's interpreter, for tests), dequantize
+    nowhere; auto on CUDA with Triton (the kernels are Triton's) from compute capability 8.9, where Triton
+    converts e4m3 (an A100 dequantizes), and on CUDA planned from a machine without a GPU (the deployments' H100
+    and H200)."""
+    if load_format == "dummy":
+        return False
     mode = envs.fp8_weights()
     if mode != "auto":
         return mode == "keep"
-    if (
-        not device.startswith("cuda") or importlib.util.find_spec("triton") is None
-    ):  # the kernels are Triton's
+    if not device.startswith("cuda") or importlib.util.find_spec("triton") is None:
         return False
     import torch
 

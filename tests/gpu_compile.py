@@ -3,10 +3,10 @@
 Triton's interpreter, which the CPU tests run the kernels in, never compiles them: a kernel can pass there and fail
 to compile for the GPU (a dtype a dot does not take, a loop-carried value that changes type, a block too large for
 shared memory). This script records the launches of Kiln's kernel wrappers (attention, fused norm / activation /
-rotary, FP8 block weights) at the dtypes and shapes a GPU serves, with the launch choices the GPU makes, and compiles each for the
-architecture through Triton's own binder and compiler, down to a cubin (Triton ships ptxas), and checks each
-kernel's shared memory against the architecture's limit (which Triton checks only when it loads a kernel on a
-device). Prints one JSON line per launch: kernel, dtypes, shared memory, and the tensor-core instructions in its
+rotary, FP8 block weights) at the dtypes and shapes a GPU serves, with the launch choices the GPU makes, and
+compiles each for the architecture through Triton's own binder and compiler, down to a cubin (Triton ships
+ptxas), and checks each kernel's shared memory against the architecture's limit (which Triton checks only when it
+loads a kernel on a device). Prints one JSON line per launch: kernel, dtypes, shared memory, and the tensor-core instructions in its
 PTX; exits 1 where a kernel was never launched or takes too much shared memory.
 
     TRITON_INTERPRET=0 python tests/gpu_compile.py --arch 90
@@ -142,7 +142,8 @@ def fp8_calls(arch: int):
             yield triton_fp8.fp8_block_linear, dtype, (x, weight, scale, (128, 128), None, dot)
             ids = torch.zeros(rows, dtype=torch.int64)
             x = torch.empty(rows, 7168, dtype=dtype)
-            yield triton_fp8.fp8_grouped_linear, dtype, (x, experts, expert_scale, (128, 128), ids, dot)
+            groups = triton_fp8.group_rows(ids, experts.shape[0], x, dot)
+            yield triton_fp8.fp8_grouped_linear, dtype, (x, experts, expert_scale, (128, 128), groups)
 
 
 def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict, target: GPUTarget):

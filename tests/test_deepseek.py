@@ -1,7 +1,8 @@
 """DeepSeek-V3 (multi-head latent attention, a dense first layer, then grouped-top-k experts with a shared expert,
 yarn rope) served by the Engine on random small configs, token-identical to transformers' DeepseekV3ForCausalLM
 greedy output (float32 logits within 1e-4): alone, batched, chunked, on radix hits, under retraction and over
-HTTP, with q_lora on and off; an FP8 block-quantized checkpoint dequantized at load and held in FP8; the MTP layer set aside."""
+HTTP, with q_lora on and off; an FP8 block-quantized checkpoint dequantized at load and held in FP8; the MTP
+layer set aside."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from test_correctness import make_prompt, token_stream
 
 import kiln
 from kiln.layers import fp8_linear
-from kiln.layers.triton_fp8 import expert_blocks, fp8_block_linear, fp8_grouped_linear
+from kiln.layers.triton_fp8 import expert_blocks, fp8_block_linear, fp8_grouped_linear, group_rows
 
 pytest.importorskip("triton")
 FP8 = torch.float8_e4m3fn
@@ -89,7 +89,8 @@ def test_grouped_rows_take_their_own_experts_weight(dtype):
     weight, scale, value = _weight(n, k, 16, seed=3, experts=experts)
     ids = torch.tensor([0, 0, 1] + [3] * 37 + [4, 5, 5, 7])
     x = torch.randn(len(ids), k).to(dtype)
-    got = fp8_grouped_linear(x.to(DEVICE), weight, scale, (16, 16), ids.to(DEVICE)).cpu()
+    on = x.to(DEVICE)
+    got = fp8_grouped_linear(on, weight, scale, (16, 16), group_rows(ids.to(DEVICE), experts, on)).cpu()
     want, magnitude = (
         torch.zeros(len(ids), n, dtype=torch.float64),
         torch.zeros(len(ids), n, dtype=torch.float64),

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_8b import bandwidth, timed  # noqa: E402
 
 from kiln.layers.fp8_linear import dequantize_blocks  # noqa: E402
-from kiln.layers.triton_fp8 import fp8_block_linear, fp8_grouped_linear  # noqa: E402
+from kiln.layers.triton_fp8 import fp8_block_linear, fp8_grouped_linear, group_rows  # noqa: E402
 
 # DeepSeek-V3 at tp 8: (name, output features, input features) of one rank's weights
 SHAPES = [("q_b_proj", 128 * 192 // 8, 1536), ("o_proj", 7168, 128 * 128 // 8),
@@ -63,10 +63,15 @@ def compare_experts(device: str, reps: int, copy_bw: float, experts: int, n: int
     chosen = torch.randperm(experts, device=device)[:top].sort().values
     dense = torch.stack([dequantize_blocks(w[e], scale[e], (128, 128)) for e in chosen.tolist()]).bfloat16()
     x = torch.randn(top, k, device=device, dtype=torch.bfloat16)
-    fp8_s = timed(lambda: fp8_grouped_linear(x, w, scale, (128, 128), chosen), device, reps)
+    groups = group_rows(
+        chosen, experts, x
+    )  # timed below with the products: the MoE layer lays them out each step
+    fp8_s = timed(
+        lambda: fp8_grouped_linear(x, w, scale, (128, 128), group_rows(chosen, experts, x)), device, reps
+    )
     bf16_s = timed(lambda: torch.stack([x[i] @ dense[i].T for i in range(top)]), device, reps)
     want = torch.stack([x[i] @ dense[i].T for i in range(top)]).float()
-    diff = (fp8_grouped_linear(x, w, scale, (128, 128), chosen).float() - want).abs().max() / want.abs().max()
+    diff = (fp8_grouped_linear(x, w, scale, (128, 128), groups).float() - want).abs().max() / want.abs().max()
     weight_bytes = top * (w[0].nbytes + scale[0].nbytes)
     return {
         "shape": f"routed experts gate_up, top {top} of {experts}", "n": n, "k": k, "rows": top,

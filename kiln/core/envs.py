@@ -16,9 +16,10 @@ KILN_FAULT = "KILN_FAULT"
 # "off" nowhere, torch's own ops everywhere (the unfused step, for an A/B run or to rule the kernels out).
 KILN_TRITON_FUSED = "KILN_TRITON_FUSED"
 TRITON_FUSED_MODES = ("auto", "all", "off")
-# What an FP8 block-quantized checkpoint's weights are held in (kiln.layers.fp8_linear): "auto" keeps them in FP8 on
-# CUDA from compute capability 8.9 and dequantizes them elsewhere; "keep" keeps them everywhere (on the CPU the
-# kernels run in Triton's interpreter: slow, for checking them without a GPU); "dequantize" never (the A/B reference).
+# What an FP8 block-quantized checkpoint's weights are held in (kiln.layers.fp8_linear): "auto" keeps them in FP8
+# on CUDA from compute capability 8.9 and dequantizes them elsewhere; "keep" keeps them everywhere (on the CPU the
+# kernels run in Triton's interpreter: slow, for checking them without a GPU); "dequantize" never (the A/B
+# reference).
 KILN_FP8_WEIGHTS = "KILN_FP8_WEIGHTS"
 FP8_WEIGHTS_MODES = ("auto", "keep", "dequantize")
 # inductor's own on-disk cache directory; the default for --compile-cache-dir when set.

@@ -49,7 +49,7 @@ def tp_size_problems(
     }
     problems = [f"{name} {value}" for name, (value, by) in dims.items() if value and value % by]
     if fp8_block is not None and not problems:
-        problems += _fp8_block_problems(hf_config, tp, moe_tp, max(fp8_block))
+        problems += _fp8_block_problems(hf_config, dims, tp, max(fp8_block))
     if kv_heads and kv_heads % tp and tp % kv_heads:  # split evenly, or each head replicated on tp / kv ranks
         problems.append(f"num_key_value_heads {kv_heads}")
     if ep > 1:
@@ -61,15 +61,13 @@ def tp_size_problems(
     return problems
 
 
-def _fp8_block_problems(hf_config: dict, tp: int, moe_tp: int, side: int) -> list[str]:
+def _fp8_block_problems(hf_config: dict, dims: dict[str, tuple[int, int]], tp: int, side: int) -> list[str]:
     """The per-rank parts of FP8-held weights that cut a block of `side`: the MLP's and each expert's
     intermediate rows (gate / up) and columns (down), the attention's query (and key / value) rows and its output
-    columns. Latent attention's kv_b_proj is held dequantized and the latent down-projections replicated."""
+    columns. Latent attention's kv_b_proj is held dequantized and the latent down-projections replicated. `dims`:
+    tp_size_problems' dimensions (value, ranks splitting it)."""
     heads = hf_config.get("num_attention_heads") or 0
-    parts = {
-        "intermediate_size": (hf_config.get("intermediate_size") or 0, tp),
-        "moe_intermediate_size": (hf_config.get("moe_intermediate_size") or 0, moe_tp),
-    }
+    parts = {name: split for name, split in dims.items() if name.endswith("intermediate_size")}
     if heads:
         if hf_config.get("kv_lora_rank"):  # q_b_proj (or q_proj) rows, o_proj columns
             nope, rope = hf_config.get("qk_nope_head_dim") or 0, hf_config.get("qk_rope_head_dim") or 0

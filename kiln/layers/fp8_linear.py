@@ -68,10 +68,9 @@ def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
-def convert_to_fp8(model: nn.Module, block: tuple[int, int]) -> int:
-    """On meta: every weight a module names in `fp8_weight_names` becomes fp8 with a factors buffer; returns how
-    many. Sets each such module's `fp8_block`, which its forward reads."""
-    count = 0
+def convert_to_fp8(model: nn.Module, block: tuple[int, int]) -> None:
+    """On meta: every weight a module names in `fp8_weight_names` becomes fp8 with a factors buffer. Sets each such
+    module's `fp8_block`, which its forward reads."""
     for module in model.modules():
         for name in getattr(module, "fp8_weight_names", ()):
             old: nn.Parameter = getattr(module, name)
@@ -83,8 +82,6 @@ def convert_to_fp8(model: nn.Module, block: tuple[int, int]) -> int:
             scale = torch.empty(factors, dtype=torch.float32, device="meta")
             module.register_buffer(name + SCALE_SUFFIX, scale, persistent=False)
             module.fp8_block = block
-            count += 1
-    return count
 
 
 def copy_blocks(

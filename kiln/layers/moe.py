@@ -220,6 +220,9 @@ class FusedMoE(nn.Module):
     Token-expert pairs are sorted by expert and each expert that has tokens runs one matmul over all of them, so
     the cost is one pair of GEMMs per active expert, not a loop over tokens."""
 
+    fp8_weight_names = ("gate_up_proj", "down_proj")  # kept in FP8 blocks for an FP8 checkpoint
+    fp8_block: tuple[int, int] | None = None  # set when they are (kiln.layers.fp8_linear)
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
@@ -232,9 +235,6 @@ class FusedMoE(nn.Module):
         )
         self.down_proj = _stacked_param((self.local_experts, hidden, self.per_rank), self.weight_loader)
         self.loaded_shards: set[tuple[int, str]] = set()
-
-    fp8_weight_names = ("gate_up_proj", "down_proj")  # kept in FP8 blocks for an FP8 checkpoint
-    fp8_block: tuple[int, int] | None = None  # set when they are (kiln.layers.fp8_linear)
 
     def _local(self, expert: int) -> int | None:
         """The expert's index among this rank's, None when another rank holds it."""
@@ -326,12 +326,12 @@ class FusedMoE(nn.Module):
     def _fp8_experts(self, rows: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
         """The product with the experts' weights in FP8 blocks: one grouped kernel launch a projection, its
         blocks of rows laid out on the device, so it neither syncs nor breaks a CUDA graph."""
-        from kiln.layers.triton_fp8 import fp8_grouped_linear  # Triton, imported only where FP8 is kept
+        from kiln.layers.triton_fp8 import fp8_grouped_linear, group_rows  # Triton, only where FP8 is kept
 
-        block = self.fp8_block
-        gate_up = fp8_grouped_linear(rows, self.gate_up_proj, self.gate_up_proj_scale_inv, block, sorted_ids)
+        block, groups = self.fp8_block, group_rows(sorted_ids, self.local_experts, rows)
+        gate_up = fp8_grouped_linear(rows, self.gate_up_proj, self.gate_up_proj_scale_inv, block, groups)
         return fp8_grouped_linear(
-            silu_and_mul(gate_up), self.down_proj, self.down_proj_scale_inv, block, sorted_ids
+            silu_and_mul(gate_up), self.down_proj, self.down_proj_scale_inv, block, groups
         )
 
     def _grouped_mm(self, rows: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:

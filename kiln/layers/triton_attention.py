@@ -1,11 +1,11 @@
 """Attention kernels in Triton that read the paged KV pool in place, in the manner of SGLang's Triton backend.
 
 Decode is split-K: each (request, KV head) has its KV slots cut into `splits` chunks, a first kernel computes each
-chunk's softmax-weighted sum of V and its log-sum-exp for all the query heads that share the KV head (one tile of
-up to 16 of them, so a K or V row is read once for the group, SGLang's grouped decode), and a second merges the chunks, so a long
-context spreads over many programs rather than one. Extend runs each request's new tokens in blocks of rows over
-its cached prefix (read from the pool through its slots) and then over its own new K and V, causally, with an
-online softmax.
+chunk's softmax-weighted sum of V and its log-sum-exp for all the query heads that share the KV head (tiles of up
+to 16 of them, so a K or V row is read once per tile, SGLang's grouped decode), and a second merges the chunks, so
+a long context spreads over many programs rather than one. Extend runs each request's new tokens in blocks of rows
+over its cached prefix (read from the pool through its slots) and then over its own new K and V, causally, with
+an online softmax.
 
 Dots take q's dtype (dot_dtype): half precision on tensor cores, float32 in IEEE float32; everything accumulates in
 float32 whatever the pool's dtype. The kernels take plain tensors and integers only, no

@@ -3,10 +3,10 @@
 W is float8_e4m3fn [N, K] with one float32 factor per block of it (`scale_inv` [ceil(N / bn), ceil(K / bk)],
 weight = fp8 value x factor). Each program computes a [BM, BN] tile of y: it walks K one weight block at a time,
 converts the block's fp8 values to x's dtype (exact: every e4m3 value is a bfloat16, float16 and float32 value),
-takes the dot in that dtype with float32 accumulation (dot_dtype: float32 for bfloat16 in the interpreter), and scales the block's partial sum by the block's factor,
-as SGLang's block FP8 kernels scale theirs. So the weights cross HBM at one byte each, half of bfloat16's, which
-is what a decode step's time is made of, and never exist dequantized in memory: DeepSeek-V3 fits where its
-bfloat16 copy would not.
+takes the dot in that dtype with float32 accumulation (dot_dtype: float32 for bfloat16 in the interpreter), and
+scales the block's partial sum by the block's factor, as SGLang's block FP8 kernels scale theirs. So the weights
+cross HBM at one byte each, half of bfloat16's, which is what a decode step's time is made of, and never exist
+dequantized in memory: DeepSeek-V3 fits where its bfloat16 copy would not.
 
 The activation stays in its own dtype (weight-only FP8): the dots run on the bfloat16 tensor cores every
 architecture with Triton's e4m3 conversion has. A float32 activation (the exact mode) takes IEEE float32 dots.
@@ -15,11 +15,20 @@ Without a GPU the kernel runs in Triton's interpreter, for the tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kiln.layers.triton_import import available, dot_dtype, tl, tl_dtype, triton
 
-__all__ = ["available", "expert_blocks", "fp8_block_linear", "fp8_grouped_linear"]
+__all__ = [
+    "GroupedRows",
+    "available",
+    "expert_blocks",
+    "fp8_block_linear",
+    "fp8_grouped_linear",
+    "group_rows",
+]
 
 MIN_BLOCK_M = 16  # the smallest tile tl.dot takes: decode's few rows pad to it
 MAX_BLOCK_M = 64  # a prefill's rows: each weight tile is read once per 64 rows, within Ada's shared memory
@@ -98,21 +107,41 @@ def fp8_block_linear(
     return y + bias if bias is not None else y
 
 
+@dataclass(frozen=True)
+class GroupedRows:
+    """Rows sorted by expert, cut into blocks within one expert each (`expert_blocks`), and the dot dtype their
+    products take: laid out once for a step's routed experts, read by both their projections."""
+
+    block_m: int
+    dot: torch.dtype
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # each block's expert, first row, row count
+
+
+def group_rows(
+    expert_ids: torch.Tensor, experts: int, x: torch.Tensor, dot: torch.dtype | None = None
+) -> GroupedRows:
+    """The layout of x's rows, sorted by expert (expert_ids [T] ascending; ids >= experts: another rank's
+    expert), for fp8_grouped_linear. `dot` overrides dot_dtype's choice."""
+    dot = dot or dot_dtype(x.dtype, x.is_cuda)
+    block_m = _block_m(max(1, x.shape[0]), dot)
+    return GroupedRows(block_m, dot, expert_blocks(expert_ids, experts, block_m))
+
+
 def fp8_grouped_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-    expert_ids: torch.Tensor, dot: torch.dtype | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    groups: GroupedRows,
+) -> torch.Tensor:
     """Rows sorted by expert, each times its own expert's fp8 weight: x [T, K], weight [E, N, K] with factors
-    [E, ceil(N / bn), ceil(K / bk)], expert_ids [T] ascending (ids >= E: another rank's expert, rows left zero)
-    -> [T, N]. The rows are cut into blocks within one expert each on the device (SGLang's moe_align_block_size),
-    so nothing is read back to the host and a CUDA graph can hold it."""
+    [E, ceil(N / bn), ceil(K / bk)], laid out by `group_rows` -> [T, N] (other ranks' experts' rows zero). The
+    blocks of rows were cut on the device (SGLang's moe_align_block_size), so nothing is read back to the host and
+    a CUDA graph can hold it."""
     flat = _rows(x, weight.shape[-1])
     y = torch.zeros((flat.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
     if flat.shape[0]:
-        dot = dot or dot_dtype(x.dtype, x.is_cuda)
-        block_m = _block_m(flat.shape[0], dot)
-        tables = expert_blocks(expert_ids, weight.shape[0], block_m)
-        _launch(flat, weight, scale_inv, y, block, block_m, dot, tables)
+        _launch(flat, weight, scale_inv, y, block, groups.block_m, groups.dot, groups.tables)
     return y
 
 

@@ -35,11 +35,11 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def fp8_block(cfg: ModelConfig, device: str) -> tuple[int, int] | None:
+def fp8_block(cfg: ModelConfig, device: str, load_format: str) -> tuple[int, int] | None:
     """The weight block of an FP8 checkpoint whose weights stay in FP8 on `device` (kiln.platform.
     fp8_weights_kept); None where the checkpoint is not FP8 or is dequantized at load."""
     quant = cfg.config_dict.get("quantization_config")
-    if cfg.is_gguf or not fp8.is_fp8_config(quant) or not platform.fp8_weights_kept(device):
+    if cfg.is_gguf or not fp8.is_fp8_config(quant) or not platform.fp8_weights_kept(device, load_format):
         return None
     return fp8.block_size(quant)
 
@@ -143,7 +143,7 @@ def load_model(
             "model directory (its config.json and tokenizer; no weights needed) or --load-format auto"
         )
     t0 = time.perf_counter()
-    block = None if dummy else fp8_block(cfg, device)
+    block = fp8_block(cfg, device, "dummy" if dummy else "auto")
     if block is not None and not device.startswith("cuda"):
         from kiln.layers.triton_import import check_runnable  # Triton, imported only where FP8 is kept
 

@@ -110,8 +110,7 @@ class LedgerInputs:
             max_mamba_cache_size=args.max_mamba_cache_size,
             mamba_track_interval=args.mamba_track_interval,
             gguf_block_types=blocks,
-            # a dummy load draws weights in the serving dtype (kiln.loader.weights.load_model)
-            fp8_weights_kept=platform.fp8_weights_kept(device) and args.load_format != "dummy",
+            fp8_weights_kept=platform.fp8_weights_kept(device, args.load_format),
             integer_kernels=bool(blocks) and platform.integer_compute(args.cpu_gemm),
             int8_linears=_int8_linears(args, device),
             draft_hf_config=_draft_config(args),

@@ -67,7 +67,8 @@ class ModelRunner:
         self.model = loaded.model
         params = dict(self.model.named_parameters())  # shared (tied) parameters once
         head_copy = params.pop("lm_head.packed_weight", None)
-        weight_bytes = sum(p.nbytes for p in params.values()) + block_factor_bytes(self.model)
+        scales = block_factor_bytes(self.model)  # FP8 weights' block factors: buffers, not parameters
+        weight_bytes = sum(p.nbytes for p in params.values()) + scales
         self.measured["weights"] = weight_bytes
         if head_copy is not None:
             self.measured["packed_lm_head"] = head_copy.nbytes
@@ -75,9 +76,7 @@ class ModelRunner:
         if loaded.prepacked_weights:
             self._log_prepacked(loaded, params, head_copy)
         if loaded.fp8_weights:
-            logger.info(
-                f"Kept {loaded.fp8_weights} weights in FP8 blocks ({gib(block_factor_bytes(self.model))} of block scales)."
-            )
+            logger.info(f"Kept {loaded.fp8_weights} weights in FP8 blocks ({gib(scales)} of block scales).")
         logger.info(
             f"Load weight end. elapsed={loaded.seconds:.2f} s, type={self.model_config.architecture}, "
             f"dtype={self.dtype}, avail mem={self._avail()}, mem usage={gib(weight_bytes)}."

@@ -92,10 +92,7 @@ def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     """Why --tp-size cannot split this model (a dimension it does not divide, or an FP8 weight block it cuts
     where FP8 weights are kept), naming the sizes that can."""
     device = platform.detect_device() if args.device == "auto" else args.device
-    kept = (
-        platform.fp8_weights_kept(device) and args.load_format != "dummy"
-    )  # dummy weights: the serving dtype
-    block = fp8_weight_block(hf_config) if kept else None
+    block = fp8_weight_block(hf_config) if platform.fp8_weights_kept(device, args.load_format) else None
     problems = sharding.tp_size_problems(hf_config, args.tp_size, args.ep_size, block)
     if not problems:
         return None
