@@ -55,7 +55,7 @@ def _decode(runner, rows: list[int], start: int) -> ForwardBatch:
     )
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -76,10 +76,10 @@ def measure(runner, bs: int, drafts: list[int], context: int, reps: int) -> dict
     times: dict = {name: [] for name in steps}
     for _ in range(reps + 2):
         for name, fb in steps.items():
-            _sync(runner.device)
+            sync(runner.device)
             t0 = time.perf_counter()
             runner.forward(fb)
-            _sync(runner.device)
+            sync(runner.device)
             times[name].append(time.perf_counter() - t0)
     runner.allocator.free(slots)
     for r in rows:
@@ -91,16 +91,30 @@ def measure(runner, bs: int, drafts: list[int], context: int, reps: int) -> dict
             "ratio": {k: round(v / decode_ms, 2) for k, v in verify.items()}}  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def step_arguments(doc: str) -> argparse.ArgumentParser:
+    """The flags of a benchmark that times steps on a served model: batch sizes, context, repetitions, model,
+    device, threads and a JSON file."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--drafts", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     ap.add_argument("--json", default=None)
+    return ap
+
+
+def save_results(json_path: str | None, model: str, device: str, results: list[dict]) -> None:
+    """The figures as JSON at json_path (--json), if given."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"model": model, "device": device, "results": results}, f, indent=1)
+
+
+def main() -> None:
+    ap = step_arguments(__doc__)
+    ap.add_argument("--drafts", type=int, nargs="+", default=[3, 5, 7])
     args = ap.parse_args()
     from kiln import Engine
     from kiln.loader.default_model import default_model_path
@@ -117,9 +131,7 @@ def main() -> None:
     for r in results:
         cells = "  ".join(f"{r['verify_ms'][k]:>10.2f} ({r['ratio'][k]:.2f}x)     " for k in args.drafts)
         print(f"{r['bs']:>4} {r['decode_ms']:>10.2f}  {cells}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": path, "device": runner.device, "results": results}, f, indent=1)
+    save_results(args.json, path, runner.device, results)
     eng.shutdown()
 
 

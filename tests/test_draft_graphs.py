@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model
-from test_draft_models import PROMPTS, save_head
+from test_draft_models import PROMPTS, save_deepseek_with_mtp, save_head, save_seven_layer_llama
 
 import kiln
-from kiln.core.forward_batch import ForwardMode
+from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.runner import graph_runner
 from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode
 from kiln.runner.graph_runner import verify_rows
@@ -26,6 +26,8 @@ NEW_TOKENS = 10
 STEPS = 2  # EAGLE drafts a chain of 2: 3 verify rows per request, one draft decode step after the catch-up
 ARGS = dict(max_total_tokens=4096, max_running_requests=4, num_threads=1)
 SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=STEPS)
+# prompts whose first catch-up (every token but the first, and the first new one) is above a head's captured rows
+LONG_PROMPTS = sum(len(p) > STEPS + 1 for p in PROMPTS)
 
 
 def test_verify_shapes_are_the_batch_sizes_times_the_draft_tokens() -> None:
@@ -33,6 +35,31 @@ def test_verify_shapes_are_the_batch_sizes_times_the_draft_tokens() -> None:
     assert verify_rows([1, 2, 4], 2) == [8]  # 2 and 4 rows are decode shapes already
     assert verify_rows([1, 2], 0) == [] and verify_rows([1, 2], 1) == []
     assert verify_rows([1, 2, 4, 8], 3, most=8) == [3, 6]  # CUDA: within the largest decode graph's rows
+
+
+def test_a_heads_catch_up_shapes_are_sized_by_their_requests() -> None:
+    """A catch-up shape holds num_steps + 1 rows per request and computes logits at one row per request: a batch
+    takes the shape of its requests (4 catch-ups of 1 token each need the 12-row shape), its logits rows go in
+    padded with row 0, and the rows of the eager forward come out."""
+    from kiln.core.graph_shapes import catch_up_rows
+    from kiln.runner.graph_backends import LogitsRows, dummy_decode_inputs
+
+    assert catch_up_rows([1, 2, 4], 3) == [3, 6, 12] and catch_up_rows([1, 2, 4], 3, most=4) == [3]
+    ids, pos, loc, table, mask = dummy_decode_inputs(4, 8, "cpu")
+    fb = ForwardBatch(
+        ForwardMode.DECODE, ids, pos, loc, torch.tensor([0, 1, 2, 3]), kv_table=table, kv_mask=mask
+    )
+    rows = LogitsRows(3)
+    assert rows.rows_for(fb) == 12 and rows.count(12) == 4
+    assert rows.rows_for(replace(fb, logits_index=torch.tensor([1, 3]))) == 6
+    assert rows.rows_for(replace(fb, logits_index=None)) == 0  # every row's logits: not a catch-up shape
+    assert rows.index(9, "cpu", replace(fb, logits_index=torch.tensor([1, 3]))).tolist() == [1, 3, 0]
+    logits, hidden = torch.arange(3.0).unsqueeze(1), torch.arange(3.0).unsqueeze(1) + 10
+    picked = rows.select((logits, hidden), replace(fb, logits_index=torch.tensor([1, 3])))
+    assert picked[0].flatten().tolist() == [0.0, 1.0] and picked[1].flatten().tolist() == [10.0, 11.0]
+    every = LogitsRows()  # a decode or verify step: every row, or the rows the batch names
+    assert every.rows_for(fb) == 4 and every.index(4, "cpu", fb) is None
+    assert every.select((logits, hidden), replace(fb, logits_index=torch.tensor([2])))[0].tolist() == [[2.0]]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +71,8 @@ def paths(tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) -> None:
     """`kiln plan` and serve reserve for the graphs speculation adds: the target's verify shapes (on CUDA those
-    within the largest decode graph's rows) and the draft's decode steps; NGRAM has no draft steps."""
+    within the largest decode graph's rows), the draft's decode steps and a head's catch-ups (each size x
+    num_steps + 1 rows, on CUDA within the same rows); NGRAM has no draft steps."""
     from kiln.config import ServerArgs
     from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CUDA_BYTES_PER_GRAPH
     from kiln.scheduler.launch import plan_ledger
@@ -55,14 +83,14 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
     eagle = plan_ledger(ServerArgs(**base, **SPEC, speculative_draft_model_path=head)).ledger
     ngram = plan_ledger(ServerArgs(**base, speculative_algorithm="NGRAM", speculative_eagle_topk=1)).ledger
     line = eagle.line("graph reserve").inputs
-    if device == "cpu":  # 3 x 3 verify rows: 3, 6, 12
-        assert "3 verify shapes + 3 draft steps" in line
-        assert eagle.graph_reserve_bytes - plain.graph_reserve_bytes == 6 * CPU_COMPILED_STEP_BYTES
+    if device == "cpu":  # 3 x 3 verify rows: 3, 6, 12; the head's decode steps 1, 2, 4 and catch-ups 3, 6, 12
+        assert "3 verify shapes + 6 draft steps" in line
+        assert eagle.graph_reserve_bytes - plain.graph_reserve_bytes == 9 * CPU_COMPILED_STEP_BYTES
         # a chain of 12 tokens: 12, 24 and 48 rows
         assert ngram.graph_reserve_bytes - plain.graph_reserve_bytes == 3 * CPU_COMPILED_STEP_BYTES
-    else:  # within 4 rows: 3 only
+    else:  # within 4 rows: verify 3, the head's decode steps 1, 2, 4 and catch-up 3
         extra = eagle.graph_reserve_bytes - plain.graph_reserve_bytes
-        assert extra == (1 + 3) * CUDA_BYTES_PER_GRAPH
+        assert extra == (1 + 3 + 1) * CUDA_BYTES_PER_GRAPH
     # a draft model's catch-up extends on the prefill pieces up to the one holding 4 x 3 tokens: 4, 8 and 16
     pieces = dict(base, cuda_graph_bs_prefill=(4, 8, 16, 32))
     standalone = dict(
@@ -150,14 +178,28 @@ def generate(eng) -> list[list[int]]:
     return [eng.generate(input_ids=p, sampling_params=params)["output_ids"] for p in PROMPTS]
 
 
+def generate_drafting(eng) -> tuple[list[list[int]], list]:
+    """generate's outputs and every draft the drafter proposed, in order."""
+    drafter, proposals = eng.scheduler.spec.drafter, []
+    propose = drafter.propose
+
+    def recording(inputs):
+        drafts = propose(inputs)
+        proposals.extend(drafts)
+        return drafts
+
+    drafter.propose = recording
+    return generate(eng), proposals
+
+
 @pytest.fixture(scope="module")
-def eager(paths) -> tuple[list[list[int]], int]:
-    """Greedy outputs with graphs off and the tokens the head drafted."""
+def eager(paths) -> tuple[list[list[int]], list]:
+    """Greedy outputs with graphs off and the head's drafts."""
     target, head = paths
     eng = kiln.Engine(model_path=str(target), **ARGS, **SPEC, speculative_draft_model_path=head,
                       disable_cuda_graph=True)  # fmt: skip
     try:
-        return generate(eng), eng.scheduler.spec.drafter.drafted_tokens
+        return generate_drafting(eng)
     finally:
         eng.shutdown()
 
@@ -209,17 +251,19 @@ def test_eagle_with_graphs_matches_graphs_off(graphs, eager) -> None:
     assert target_runner.graphs.captured("verify") == [STEPS + 1]  # bs 1 x num_draft_tokens
     assert target_runner.graphs.captured("decode") == [1]
     assert drafter.runner.graphs.captured("decode") == [1]  # the head's own steps, features as an input
+    assert drafter.runner.graphs.captured("extend") == [STEPS + 1]  # its catch-ups, the target's features in
     from kiln.scheduler.engine_proc import _draft_graphs
 
     assert _draft_graphs(eng.scheduler.spec)["decode"]["captured"] == [1]  # /status's draft_graphs
     target = Recorder(target_runner, check_hidden=True)
     draft = Recorder(drafter.runner, check_hidden=False)
-    outputs = generate(eng)
-    eager_outputs, eager_drafted = eager
-    assert outputs == eager_outputs
-    # the replayed target steps handed the head its hidden states: it drafted at every step, as without graphs
-    assert drafter.drafted_tokens == eager_drafted > 0
+    # the replayed target steps handed the head its hidden states, and its replayed catch-ups and steps drafted
+    # what it drafts without graphs
+    assert generate_drafting(eng) == eager and any(eager[1])
     assert (STEPS + 1, True) in target.decodes and (1, True) in draft.decodes
+    # the head's catch-ups after each verify are decode rows on captured shapes; only a prompt longer than the
+    # captured rows (its catch-up is the prompt's tokens after the first and the first new one) is an extend
+    assert all(graph for _, graph in draft.decodes) and len(draft.extends) == LONG_PROMPTS
     assert target.hidden_pairs
     assert_hidden_as_eager(target)
 
@@ -235,6 +279,9 @@ def test_capture_logs_name_the_verify_and_draft_shapes(graphs) -> None:
     assert "Capture target decode CPU graph begin. backend=inductor, num_tokens_per_req=1, bs=[1]" in text
     draft = "Capture draft cpu graph begin. This can take up to several minutes. avail mem="
     assert draft in text and "num_tokens_per_req=1, bs=[1]" in text.split(draft)[1]
+    extend = "Capture draft extend cpu graph begin. This can take up to several minutes. avail mem="
+    assert extend in text and f"num_tokens_per_req={STEPS + 1}, bs=[1]" in text.split(extend)[1]
+    assert "Capture draft extend cpu graph end." in text
 
 
 def _replaying_capture(fn, pool):
@@ -251,7 +298,9 @@ def replaying_engine(target, max_bs: int, prefill: bool = False, **kwargs) -> ki
         mp.setattr(
             graph_runner,
             "CompiledDecode",
-            lambda model, attn, device: CudaGraphDecode(model, device, max_bs, 512, _replaying_capture),
+            lambda model, attn, device, **kw: CudaGraphDecode(
+                model, device, max_bs, 512, _replaying_capture, **kw
+            ),
         )
         if prefill:
             mp.setattr(graph_runner, "CompiledPrefill",
@@ -270,10 +319,65 @@ def test_cuda_graph_buffers_hand_out_hidden_states_and_take_features(paths, eage
         assert drafter.runner.graphs.captured("decode") == [1, 2]
         target_steps = Recorder(eng.scheduler.runner, check_hidden=True)
         draft_steps = Recorder(drafter.runner, check_hidden=False)
-        assert generate(eng) == eager[0]
-        assert drafter.drafted_tokens == eager[1]
+        assert generate_drafting(eng) == eager
         assert (STEPS + 1, True) in target_steps.decodes and (1, True) in draft_steps.decodes
         assert_hidden_as_eager(target_steps)
+    finally:
+        eng.shutdown()
+
+
+def test_an_eagle3_heads_catch_ups_replay_their_own_shapes(tmp_path) -> None:
+    """EAGLE-3's catch-ups take the target's three hidden states, wider than the head's own that its decode steps
+    take: they run on shapes of their own (batch sizes x num_steps + 1 rows), with the tokens of plain decoding.
+    CUDA backends with capture replaced by re-running, as above; a target deep enough for EAGLE-3's layers."""
+    target = save_seven_layer_llama(tmp_path / "target")
+    head = save_head(tmp_path / "head3", target, eagle3=True)
+    spec = dict(SPEC, speculative_algorithm="EAGLE3")
+    off = kiln.Engine(model_path=str(target), **ARGS, **spec, speculative_draft_model_path=head,
+                      disable_cuda_graph=True)  # fmt: skip
+    try:
+        expected = generate_drafting(off)
+    finally:
+        off.shutdown()
+    eng = replaying_engine(target, 8, **spec, speculative_draft_model_path=head, cuda_graph_bs=(1, 2))
+    try:
+        graphs = eng.scheduler.spec.drafter.runner.graphs
+        assert graphs.captured("decode") == [1, 2] and graphs.captured("extend") == [3, 6]
+        width = json.loads((target / "config.json").read_text())["hidden_size"]
+        assert graphs.phases["decode"].backend.feature_width == width
+        assert graphs.phases["extend"].backend.feature_width == 3 * width
+        replays: list[int] = []
+        replay = graphs.phases["extend"].backend.replay
+        graphs.phases["extend"].backend.replay = lambda bs, fb: (replays.append(bs), replay(bs, fb))[1]
+        draft_steps = Recorder(eng.scheduler.spec.drafter.runner, check_hidden=False)
+        assert generate_drafting(eng) == expected and any(expected[1])
+        # a catch-up (one request at a time: 1 to 3 rows) replays the 3-row shape; nothing runs eagerly but the
+        # catch-ups on longer prompts, extends
+        assert replays and set(replays) == {3} and all(graph for _, graph in draft_steps.decodes)
+        assert len(draft_steps.extends) == LONG_PROMPTS
+    finally:
+        eng.shutdown()
+
+
+def test_nextn_catch_ups_replay_the_heads_shapes(tmp_path) -> None:
+    """NEXTN, DeepSeek-V3's MTP layer (latent attention, experts) as the head: its decode steps and catch-ups are
+    captured and replayed, drafting what it drafts without graphs. CUDA backends with capture replaced by
+    re-running, as above."""
+    target = save_deepseek_with_mtp(tmp_path / "deepseek")
+    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=STEPS)
+    off = kiln.Engine(model_path=str(target), **ARGS, **spec, disable_cuda_graph=True)
+    try:
+        expected = generate_drafting(off)
+    finally:
+        off.shutdown()
+    eng = replaying_engine(target, 8, **spec, cuda_graph_bs=(1, 2))
+    try:
+        graphs = eng.scheduler.spec.drafter.runner.graphs
+        assert graphs.captured("decode") == [1, 2] and graphs.captured("extend") == [3, 6]
+        draft_steps = Recorder(eng.scheduler.spec.drafter.runner, check_hidden=False)
+        assert generate_drafting(eng) == expected and any(expected[1])
+        assert draft_steps.decodes and all(graph for _, graph in draft_steps.decodes)
+        assert len(draft_steps.extends) == LONG_PROMPTS  # every other catch-up ran as decode rows
     finally:
         eng.shutdown()
 

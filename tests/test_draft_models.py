@@ -34,16 +34,19 @@ def make_runner(path: str | Path, num_layers: int | None = None) -> ModelRunner:
     return runner
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> Path:
+def save_seven_layer_llama(out: Path) -> Path:
     """A 7-layer tiny Llama: EAGLE-3's default layers (2, 3, 4) are distinct there."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model, tok = random_model(LlamaConfig, LlamaForCausalLM, 0, **dict(TINY["llama"], num_hidden_layers=7))
-    out = tmp_path_factory.mktemp("target")
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return save_seven_layer_llama(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +113,31 @@ class TargetLoop:
         if self.drafter is not None:
             self.drafter.release(rid)
         return seq[len(prompt) : len(prompt) + new_tokens]
+
+
+def record_drafts(drafter: ChainDrafter) -> list:
+    """The list every draft the drafter proposes from now on is appended to."""
+    drafts, propose = [], drafter.propose
+
+    def recording(inputs):
+        out = propose(inputs)
+        drafts.extend(out)
+        return out
+
+    drafter.propose = recording
+    return drafts
+
+
+def record_modes(runner: ModelRunner) -> list[ForwardMode]:
+    """The list the mode of every batch the runner runs from now on is appended to."""
+    modes, forward = [], runner.forward
+
+    def recording(fb):
+        modes.append(fb.mode)
+        return forward(fb)
+
+    runner.forward = recording
+    return modes
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +313,60 @@ def test_eagle_head_is_lossless(eagle3, eagle_target, target_dir, plain, tmp_pat
 
 
 @pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
+def test_a_heads_catch_up_as_decode_rows_drafts_as_its_extend(
+    eagle3, eagle_target, target_dir, tmp_path
+) -> None:
+    """Catch-ups run as decode rows (one a token, each attending up to its own column: what a captured catch-up
+    runs) give the logits and drafts of the same catch-ups run as one extend: two requests catching up on several
+    tokens past their first 3. Catch-ups longer than the rows allow stay extends."""
+    path = save_head(tmp_path / "head", target_dir, eagle3)
+    sizes = PoolSizes(POOL, RUNNING, CONTEXT, 1)
+    loop, requests, fed = TargetLoop(eagle_target, None), [], 3
+    drafters = {rows: build_eagle_drafter(path, eagle_target, sizes, 3) for rows in (0, 16, 4)}
+    for rid, prompt in zip("ab", (PROMPTS[0], PROMPTS[2])):
+        seq = prompt + loop.generate(rid, prompt, new_tokens=3)
+        idx = eagle_target.table.alloc()
+        loop._extend(idx, 0, seq[:-1])
+        slots = eagle_target.table.req_to_token[idx, : len(seq) - 1]
+        requests.append((rid, seq, idx, slots, eagle_target.model.last_hidden))
+    drafts, steps = {}, {}
+    for rows, drafter in drafters.items():
+        for rid, seq, _, slots, hidden in requests:  # the first tokens, caught up on as an extend
+            drafter.accepted(rid, seq[1 : fed + 1], hidden[:fed])
+            drafter.propose([DraftInput(rid, seq[: fed + 1], 3, kv_slots=slots[:fed])])
+        drafter.catch_up_rows = rows
+        forward, seen = drafter.runner.forward, []
+
+        def recording(fb, forward=forward, seen=seen):
+            logits = forward(fb)
+            seen.append((fb.mode, int(fb.input_ids.shape[0]), logits))
+            return logits
+
+        drafter.runner.forward = recording
+        for rid, seq, _, _, hidden in requests:
+            drafter.accepted(rid, seq[fed + 1 :], hidden[fed:])
+        drafts[rows] = drafter.propose(
+            [DraftInput(rid, seq, 3, kv_slots=slots) for rid, seq, _, slots, _ in requests]
+        )
+        steps[rows] = seen[0]
+        for rid, *_ in requests:
+            drafter.release(rid)
+        assert_idle(drafter.runner, held=drafter.mirrored - 1)
+    lengths = [len(seq) - 1 - fed for _, seq, *_ in requests]
+    assert lengths == [5, 2]  # 4 rows hold one catch-up, not both: the batch is an extend
+    kinds = {rows: step[:2] for rows, step in steps.items()}
+    assert kinds == {0: (ForwardMode.EXTEND, 7), 16: (ForwardMode.DECODE, 7), 4: (ForwardMode.EXTEND, 7)}
+    # the logits of each request's last token, then the chains drafted from them
+    assert steps[16][2].shape[0] == 2
+    torch.testing.assert_close(steps[16][2], steps[0][2], rtol=1e-5, atol=1e-5)
+    assert drafts[16] == drafts[0] and all(len(d) == 3 for d in drafts[0])
+    for _, _, idx, slots, _ in requests:
+        eagle_target.allocator.free(slots.clone())
+        eagle_target.table.free(idx)
+    eagle_target.model.capture_hidden = None
+
+
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
 def test_eagle_head_keeps_its_kv_for_a_cached_prefix(eagle3, eagle_target, target_dir, tmp_path) -> None:
     """The head's KV sits in the target's slots, stamped with the prefix it was computed for: a request whose
     prompt the target read from its cache (no hidden states for it) drafts exactly as one whose every hidden state
@@ -422,14 +504,12 @@ def test_engine_refuses_another_vocabulary(target_dir: Path, tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- NEXTN
-@pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory) -> Path:
+def save_deepseek_with_mtp(out: Path) -> Path:
     """A tiny DeepSeek-V3 whose checkpoint holds a complete MTP layer (numbered num_hidden_layers)."""
     from moe_models import deepseek_hf_model
     from safetensors.torch import save_file
 
     model, tok = deepseek_hf_model(0, num_hidden_layers=4)  # its last layer becomes the MTP layer
-    out = tmp_path_factory.mktemp("deepseek")
     model.save_pretrained(out)
     tok.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
@@ -443,6 +523,11 @@ def deepseek_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory) -> Path:
+    return save_deepseek_with_mtp(tmp_path_factory.mktemp("deepseek"))
+
+
+@pytest.fixture(scope="module")
 def deepseek(deepseek_dir: Path) -> tuple[ModelRunner, list[list[int]]]:
     target = make_runner(deepseek_dir)
     return target, [TargetLoop(target, None).generate(str(i), p) for i, p in enumerate(PROMPTS)]
@@ -452,11 +537,17 @@ def test_nextn_is_lossless(deepseek) -> None:
     from kiln.speculative.nextn import build_nextn_drafter
 
     target, expected = deepseek
-    drafter = build_nextn_drafter(target, PoolSizes(POOL, RUNNING, CONTEXT, 1), 3)
-    assert [TargetLoop(target, drafter, 3).generate(str(i), p) for i, p in enumerate(PROMPTS)] == expected
-    assert drafter.drafted_tokens > 0
-    assert_idle(target)
-    assert_idle(drafter.runner, held=drafter.mirrored - 1)
+    proposals: dict[int, list] = {}
+    for rows in (0, 4):  # catch-ups as extends, then as decode rows (what a captured catch-up runs)
+        drafter = build_nextn_drafter(target, PoolSizes(POOL, RUNNING, CONTEXT, 1), 3)
+        drafter.catch_up_rows = rows
+        proposals[rows], modes = record_drafts(drafter), record_modes(drafter.runner)
+        assert [TargetLoop(target, drafter, 3).generate(str(i), p) for i, p in enumerate(PROMPTS)] == expected
+        assert (ForwardMode.DECODE in modes[::3]) == bool(rows)  # every catch-up: the first forward of 3
+        assert drafter.drafted_tokens > 0
+        assert_idle(target)
+        assert_idle(drafter.runner, held=drafter.mirrored - 1)
+    assert proposals[4] == proposals[0]
 
 
 def test_engine_nextn_matches_plain(deepseek_dir: Path, deepseek) -> None:

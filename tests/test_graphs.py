@@ -27,7 +27,7 @@ from kiln.core.graph_shapes import (
 from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
 from kiln.memory.ledger import LedgerInputs, compute_ledger
 from kiln.runner import graph_backends, graph_runner
-from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, pad_decode_inputs
+from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, LogitsRows, pad_decode_inputs
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import GenerateReq
 from kiln.scheduler.overlap import ForwardThread
@@ -279,7 +279,8 @@ def test_a_batch_the_graph_cannot_run_falls_back_to_eager(engines):
         calls.append(bs)
         raise RuntimeError("Detected recompile")
 
-    broken_backend = {"replay": staticmethod(broken), "name": "broken", "reads_shared_prefix_once": False}
+    broken_backend = {"replay": staticmethod(broken), "name": "broken", "reads_shared_prefix_once": False,
+                      "feature_width": None, "logits_rows": LogitsRows()}  # fmt: skip
     phase.backend = type("Broken", (), broken_backend)()
     try:
         run = drive(graphs, [(0, [11, 12, 13], 5)])
@@ -344,7 +345,9 @@ def test_cuda_backends_buffers_match_eager_on_the_cpu(tiny_llama):
         mp.setattr(
             graph_runner,
             "CompiledDecode",
-            lambda model, attn, device: CudaGraphDecode(model, device, max(CAPTURED), 32, _replaying_capture),
+            lambda model, attn, device, **kw: CudaGraphDecode(
+                model, device, max(CAPTURED), 32, _replaying_capture, **kw
+            ),
         )
         mp.setattr(graph_runner, "CompiledPrefill",
                    lambda model, attn, device: BreakablePrefill(model, attn, device, _replaying_capture))  # fmt: skip

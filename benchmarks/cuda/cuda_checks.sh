@@ -4,7 +4,8 @@
 # repo root with $OUT set, carry [".whl", ".devcarry"], timeout_s 600:
 #   bash benchmarks/cuda/cuda_checks.sh 1   # Triton kernels natively, then the 8B-class model against the GPU's limits
 #   bash benchmarks/cuda/cuda_checks.sh 2   # CUDA tests, default capture, graph and overlap benchmarks, fused A/B
-#   bash benchmarks/cuda/cuda_checks.sh 3   # FP8 block weights kept on the GPU: their tests natively, their speed
+#   bash benchmarks/cuda/cuda_checks.sh 3   # FP8 block weights kept on the GPU: their tests natively, their speed;
+#                                           # a draft head's captured catch-ups against eager
 # Every log lands in $OUT as it is written, so a part stopped at its limit still returns what it did.
 part=${1:-1}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -50,5 +51,10 @@ if [ "$part" = 3 ]; then
   step "FP8 weights against bfloat16, DeepSeek-V3's per-rank shapes at tp 8"
   timeout 200 python3 benchmarks/cuda/bench_fp8.py --json $OUT/bench_fp8.json > $OUT/bench_fp8.log 2>&1
   tail -12 $OUT/bench_fp8.log | cut -c1-400
+  step "a draft head's catch-ups: CUDA graphs against eager extends and eager decode rows"
+  timeout 40 python3 benchmarks/cuda/make_random_smollm.py /tmp/smol .devcarry/tiny-llama 2>&1 | tail -2
+  timeout 120 python3 benchmarks/bench_catch_up.py --device cuda --model-path /tmp/smol --bs 1 8 32 \
+    --json $OUT/bench_catch_up.json > $OUT/bench_catch_up.log 2>&1
+  grep -v "Capturing" $OUT/bench_catch_up.log | tail -6
 fi
 step "done"

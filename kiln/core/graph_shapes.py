@@ -59,6 +59,13 @@ def verify_rows(batch_sizes: list[int], tokens_per_req: int, most: int | None = 
     return sorted(r for r in rows if most is None or r <= most)
 
 
+def catch_up_rows(batch_sizes: list[int], tokens_per_req: int, most: int | None = None) -> list[int]:
+    """A draft head's catch-up shapes in rows, ascending: each batch size x tokens_per_req (1 + the most drafts a
+    verify accepts, as SGLang's draft extend graph takes num_steps + 1 tokens per request), at most `most` rows
+    (None: no limit). They are captured on a backend of their own, so decode sizes are not left out."""
+    return sorted({bs * tokens_per_req for bs in batch_sizes if most is None or bs * tokens_per_req <= most})
+
+
 def draft_extend_tokens(prefill_tokens: list[int], batch_sizes: list[int], tokens_per_req: int) -> list[int]:
     """The prefill token counts a draft model's catch-up extends are captured at: up to the one that holds what a
     full batch catches up on at once (the largest batch x num_draft_tokens, as SGLang's draft extend graph)."""

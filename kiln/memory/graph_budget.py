@@ -14,6 +14,7 @@ from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
 from kiln.core.graph_shapes import (
     CPU_PREFILL_GRAPH_MAX_TOKENS,
     CUDA_GRAPH_KV_WIDTH,
+    catch_up_rows,
     decode_graph_batch_sizes,
     draft_extend_tokens,
     prefill_graph_token_sizes,
@@ -91,11 +92,15 @@ def graph_reserve(inputs: LedgerInputs, sizes: tuple[int, ...], prefill: tuple[i
 
 def speculative_graphs(inputs: LedgerInputs, sizes: tuple[int, ...]) -> tuple[int, int]:
     """How many verify shapes the target captures beside its decode sizes (each size x num_draft_tokens rows;
-    on CUDA only those within the largest decode graph's rows, whose buffers are counted), and how many decode
-    steps a draft model or head captures (one per size)."""
+    on CUDA only those within the largest decode graph's rows, whose buffers are counted), and how many steps
+    a draft model or head captures: a decode step per size, and a head's catch-ups (each size x num_steps + 1
+    rows, on CUDA within the same rows)."""
     most = max(sizes, default=0) if inputs.device.startswith("cuda") else None
     verify = len(verify_rows(list(sizes), inputs.verify_tokens_per_req, most))
-    return verify, len(sizes) if inputs.draft_rows_per_req else 0
+    draft = len(sizes) if inputs.draft_rows_per_req else 0
+    if inputs.draft_catch_up_tokens_per_req:
+        draft += len(catch_up_rows(list(sizes), inputs.draft_catch_up_tokens_per_req, most))
+    return verify, draft
 
 
 def _speculative_text(verify: int, draft: int) -> str:

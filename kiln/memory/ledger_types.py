@@ -52,6 +52,8 @@ class LedgerInputs:
     verify_tokens_per_req: int = 0
     draft_rows_per_req: int = 0
     draft_extend_layers: int = 0  # a draft model's layers, whose catch-up extends run on prefill pieces
+    # a head's catch-up rows per request (num_steps + 1), captured as decode rows at each size
+    draft_catch_up_tokens_per_req: int = 0
     # a head's (EAGLE, EAGLE-3, NEXTN) guess slots per request, above the target's slots its pool mirrors
     draft_guess_tokens_per_req: int = 0
     # NEXTN: the target's own MTP layer drafts, with KV of one target layer per token (no draft config to read)

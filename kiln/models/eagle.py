@@ -8,7 +8,7 @@ maps to the target's. The checkpoints load as SGLang reads them (`fc`, `midlayer
 The head's input features are handed in with `set_features` before a forward (the model runner calls the model
 with the batch alone); after it, `last_hidden` holds the head's own output at the logits rows, which the next
 draft step feeds back in place of the target's features. A captured draft decode step takes those features
-(`step_feature_width` wide) as a static input.
+(`step_feature_width` wide) as a static input, a captured catch-up the target's (`catch_up_feature_width`).
 """
 
 from __future__ import annotations
@@ -115,6 +115,11 @@ class LlamaForCausalLMEagle(_DraftHead):
         self.lm_head: nn.Module | None = None  # the target's, set by share_target
         del self.layers[0].input_layernorm  # EAGLE's first layer reads fc's output as it is
 
+    @property
+    def catch_up_feature_width(self) -> int:
+        """The width of a catch-up's features: the target's final hidden state, as wide as the head's."""
+        return self.cfg.hidden_size
+
     def share_target(self, target: nn.Module) -> None:
         self.embed_tokens, self.lm_head = target.model.embed_tokens, target.lm_head
 
@@ -166,6 +171,11 @@ class LlamaForCausalLMEagle3(_DraftHead):
         self.lm_head: nn.Module = ParallelLMHead(self.draft_vocab_size, width)
         self.head_from_target = False  # a checkpoint without its own head uses the target's (SGLang's rule)
         self.hot_token_id: torch.Tensor | None = None  # draft id -> target id (None: the target's vocabulary)
+
+    @property
+    def catch_up_feature_width(self) -> int:
+        """The width of a catch-up's features: the target's low, middle and high hidden states, concatenated."""
+        return self.fc.in_features
 
     def share_target(self, target: nn.Module) -> None:
         self.embed_tokens = target.model.embed_tokens

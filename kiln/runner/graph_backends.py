@@ -4,7 +4,9 @@ Decode: on CUDA a torch.cuda.CUDAGraph per batch size over static input buffers;
 torch.compile (inductor), batch size static, KV length dynamic. A batch pads up to its captured size with dummy
 rows that write and read the reserved padding slot 0. A step hands out the hidden states a speculative draft
 reads along with the logits (a target whose drafter asked for them, or a draft head's own output); a draft head's
-step also takes its input features as a static input, as SGLang's EAGLE draft graphs do.
+step also takes its input features as a static input, as SGLang's EAGLE draft graphs do. A head's catch-up step
+(decode rows, several a request) takes which rows get logits as an input too (LogitsRows): the lm head runs on each
+request's last token, not on every token.
 
 Prefill runs on "pieces": each layer's attention-free halves at a fixed token count, with attention, whose shapes
 follow the batch's sequences, run eagerly between them. On CUDA the halves are CUDA graphs over static buffers
@@ -46,13 +48,20 @@ def keeps_hidden(model) -> bool:
     return takes_features(model) or getattr(model, "capture_hidden", None) is not None
 
 
-def dummy_features(model, bs: int, device) -> torch.Tensor | None:
-    """A draft head's [bs, width] step features for capture (its own hidden states: a draft decode step feeds
-    the head's last output back); None for a model that takes none."""
+def feature_width(model, catch_up: bool = False) -> int | None:
+    """The width of the features a draft head's captured step takes: a draft decode step's (the head's own
+    output, fed back) or a catch-up's (the target's hidden states); None for a model that takes none."""
     if not takes_features(model):
         return None
+    return model.catch_up_feature_width if catch_up else model.step_feature_width
+
+
+def dummy_features(model, bs: int, device, width: int | None) -> torch.Tensor | None:
+    """[bs, width] zero features for capture in the model's dtype; None for a width of None (no features)."""
+    if width is None:
+        return None
     dtype = next(model.parameters()).dtype
-    return torch.zeros(bs, model.step_feature_width, dtype=dtype, device=device)
+    return torch.zeros(bs, width, dtype=dtype, device=device)
 
 
 def pad_features(model, bs: int) -> torch.Tensor | None:
@@ -86,12 +95,54 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def decode_batch(inputs: DecodeInputs, attn: AttentionMetadata) -> ForwardBatch:
+def decode_batch(
+    inputs: DecodeInputs, attn: AttentionMetadata, logits_index: torch.Tensor | None = None
+) -> ForwardBatch:
     """A captured decode step's batch, with the attention backend's graph metadata (see CompiledDecode)."""
     ids, pos, loc, table, mask = inputs
     return ForwardBatch(
-        ForwardMode.DECODE, ids, pos, loc, logits_index=None, kv_table=table, kv_mask=mask, attn=attn
+        ForwardMode.DECODE, ids, pos, loc, logits_index=logits_index, kv_table=table, kv_mask=mask, attn=attn
     )
+
+
+class LogitsRows:
+    """Which rows of a captured decode step get logits: every row (a decode or verify step), or one row per
+    `tokens_per_logit` rows (a head's catch-up, which wants each request's last token only: its logits rows, an
+    input of the step, padded with row 0, so the lm head runs on a request's row, not on each of its tokens)."""
+
+    def __init__(self, tokens_per_logit: int = 0):
+        self.tokens_per_logit = tokens_per_logit
+
+    def rows_for(self, fb: ForwardBatch) -> int:
+        """The captured rows a batch needs: its rows, or with logits rows its requests' share of them."""
+        n = int(fb.kv_table.shape[0])
+        if not self.tokens_per_logit:
+            return n
+        if fb.logits_index is None:
+            return 0  # every row's logits: not what this step computes
+        return max(n, len(fb.logits_index) * self.tokens_per_logit)
+
+    def count(self, bs: int) -> int:
+        """The rows of logits (and hidden states) a step of bs rows computes."""
+        return bs // self.tokens_per_logit if self.tokens_per_logit else bs
+
+    def index(self, bs: int, device, fb: ForwardBatch | None = None) -> torch.Tensor | None:
+        """The step's logits-rows input at bs rows: the batch's, padded (zeros for capture); None: every row."""
+        if not self.tokens_per_logit:
+            return None
+        index = torch.zeros(self.count(bs), dtype=torch.int64, device=device)
+        if fb is not None:
+            index[: len(fb.logits_index)] = fb.logits_index
+        return index
+
+    def select(self, out: StepOutput, fb: ForwardBatch) -> StepOutput:
+        """The rows of a step's output that the eager forward of the batch returns."""
+        if self.tokens_per_logit:
+            rows: slice | torch.Tensor = slice(len(fb.logits_index))
+        else:
+            rows = slice(fb.kv_table.shape[0]) if fb.logits_index is None else fb.logits_index
+        logits, hidden = out
+        return logits[rows], None if hidden is None else hidden[rows]
 
 
 def dummy_decode_inputs(bs: int, length: int, device) -> DecodeInputs:
@@ -116,14 +167,16 @@ def _decode_step(
     mask,
     shared_prefix: int | torch.Tensor = 0,
     features: torch.Tensor | None = None,
+    logits_index: torch.Tensor | None = None,
 ) -> StepOutput:
     """The step graphs capture. Its attention metadata is the model's own backend's graph metadata: static, with
     `shared_prefix` (the KV table's leading columns every request shares) as its one input that changes. A draft
-    head's features go in as an input; the hidden states the model keeps come out as an output, since a replayed
-    CUDA graph leaves no attribute of the model up to date."""
+    head's features go in as an input, and a catch-up's logits rows (LogitsRows); the hidden states the model keeps
+    come out as an output, since a replayed CUDA graph leaves no attribute of the model up to date."""
     if features is not None:
         model.set_features(features)
-    logits = model(decode_batch((ids, pos, loc, table, mask), model.attn.graph_metadata(shared_prefix)))
+    attn = model.attn.graph_metadata(shared_prefix)
+    logits = model(decode_batch((ids, pos, loc, table, mask), attn, logits_index))
     return logits, model.last_hidden if keeps_hidden(model) else None
 
 
@@ -184,8 +237,18 @@ class CompiledDecode:
     name = "inductor"
     compiled = True  # its payoff against eager is measured at capture
 
-    def __init__(self, model, attn: AttentionBackend, device: str):
-        self.model, self.device = model, device
+    def __init__(
+        self,
+        model,
+        attn: AttentionBackend,
+        device: str,
+        features: int | None = None,
+        logits_rows: LogitsRows | None = None,
+    ):
+        """features: the width of a draft head's input features (None: the model takes none); logits_rows: which
+        rows get logits (default: every row)."""
+        self.model, self.device, self.feature_width = model, device, features
+        self.logits_rows = logits_rows or LogitsRows()
         self.fn = torch.compile(_own_code(_decode_step), dynamic=False, options=DECODE_COMPILE_OPTIONS)
         self.reads_shared_prefix_once = attn.reads_shared_prefix_once
 
@@ -193,13 +256,16 @@ class CompiledDecode:
         inputs = dummy_decode_inputs(bs, CAPTURE_KV_LEN, self.device)
         torch._dynamo.mark_dynamic(inputs[3], 1)
         torch._dynamo.mark_dynamic(inputs[4], 3)
-        self.fn(self.model, *inputs, self._shared(0), dummy_features(self.model, bs, self.device))
+        features = dummy_features(self.model, bs, self.device, self.feature_width)
+        self.fn(self.model, *inputs, self._shared(0), features, self.logits_rows.index(bs, self.device))
 
     def replay(self, bs: int, fb: ForwardBatch) -> StepOutput:
         """The shared prefix the attention backend found in the batch goes in as the step's input, as do a draft
-        head's features."""
+        head's features and a catch-up's logits rows."""
         inputs = pad_decode_inputs(fb, bs)
-        return self.fn(self.model, *inputs, self._shared(fb.attn.shared_prefix), pad_features(self.model, bs))
+        shared, features = self._shared(fb.attn.shared_prefix), pad_features(self.model, bs)
+        out = self.fn(self.model, *inputs, shared, features, self.logits_rows.index(bs, self.device, fb))
+        return self.logits_rows.select(out, fb)
 
     def _shared(self, columns: int | torch.Tensor) -> torch.Tensor | int:
         return torch.tensor([int(columns)], dtype=torch.int64) if self.reads_shared_prefix_once else 0
@@ -216,13 +282,25 @@ class CudaGraphDecode:
     reads_shared_prefix_once = False
 
     def __init__(
-        self, model, device: str, max_bs: int, kv_width: int, capture_graph: GraphCapture = cuda_graph_capture
+        self,
+        model,
+        device: str,
+        max_bs: int,
+        kv_width: int,
+        capture_graph: GraphCapture = cuda_graph_capture,
+        features: int | None = None,
+        logits_rows: LogitsRows | None = None,
     ):
+        """features: the width of a draft head's input features (None: the model takes none); logits_rows: which
+        rows get logits (default: every row)."""
         self.model, self.kv_width, self.capture_graph = model, kv_width, capture_graph
+        self.feature_width = features
+        self.logits_rows = logits_rows or LogitsRows()
         self.buffers = dummy_decode_inputs(max_bs, kv_width, device)
-        self.features = dummy_features(model, max_bs, device)  # a draft head's input features
+        self.features = dummy_features(model, max_bs, device, features)  # a draft head's input features
+        self.logits_index = self.logits_rows.index(max_bs, device)  # a catch-up's logits rows
         self.graphs: dict[int, Callable[[], None]] = {}
-        self.logits: torch.Tensor | None = None  # every graph's output, [max_bs, vocab]
+        self.logits: torch.Tensor | None = None  # every graph's output, [max_bs (logits rows), vocab]
         self.hidden: torch.Tensor | None = None  # every graph's hidden states out, [max_bs, width], if kept
         self.pool: Any = None
 
@@ -231,14 +309,16 @@ class CudaGraphDecode:
 
     def _step(self, bs: int) -> StepOutput:
         features = None if self.features is None else self.features[:bs]
-        return _decode_step(self.model, *self._view(bs), features=features)
+        index = None if self.logits_index is None else self.logits_index[: self.logits_rows.count(bs)]
+        return _decode_step(self.model, *self._view(bs), features=features, logits_index=index)
 
     def capture(self, bs: int) -> None:
         if self.logits is None:  # sized by the first, largest, batch; one buffer instead of one per graph
             logits, hidden = self._step(len(self.buffers[0]))
             self.logits = torch.empty_like(logits)
             self.hidden = None if hidden is None else torch.empty_like(hidden)
-        out, hidden_out = self.logits[:bs], None if self.hidden is None else self.hidden[:bs]
+        count = self.logits_rows.count(bs)
+        out, hidden_out = self.logits[:count], None if self.hidden is None else self.hidden[:count]
 
         def fn() -> None:
             logits, hidden = self._step(bs)
@@ -264,9 +344,15 @@ class CudaGraphDecode:
         mask[..., :length].copy_(inputs[4])
         if self.features is not None:
             self.features[:bs].copy_(pad_features(self.model, bs))
+        if self.logits_index is not None:
+            index = self.logits_rows.index(bs, self.logits_index.device, fb)
+            self.logits_index[: len(index)].copy_(index)
         self.graphs[bs]()
-        hidden = None if self.hidden is None else self.hidden[:bs].clone()
-        return self.logits[:bs].clone(), hidden
+        # the rows the batch wants, copied out of the buffers the next replay overwrites
+        count = self.logits_rows.count(bs)
+        out = self.logits[:count], None if self.hidden is None else self.hidden[:count]
+        logits, hidden = self.logits_rows.select(out, fb)
+        return logits.clone(), None if hidden is None else hidden.clone()
 
 
 # ---------------------------------------------------------------------------------------------- prefill

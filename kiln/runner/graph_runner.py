@@ -10,9 +10,14 @@ than eager run eagerly.
 
 Under speculative decoding the target's verify step is a decode batch of num_draft_tokens rows per request, so
 the verify shapes (each captured batch size x num_draft_tokens rows, as SGLang captures its target verify graph;
-on CUDA only those within the largest decode graph's rows) are captured with the decode ones, on the same step; a draft model's or head's decode steps are captured the same
-way with role="draft". Every captured decode step hands out the hidden states the model keeps for a draft, which
-the graph runner returns with the logits.
+on CUDA only those within the largest decode graph's rows) are captured with the decode ones, on the same step; a
+draft model's or head's decode steps are captured the same way with role="draft". Every captured decode step hands
+out the hidden states the model keeps for a draft, which the graph runner returns with the logits.
+
+A draft head's catch-up after a verify (1 + the accepted drafts of each request) runs as decode rows too, one row
+per token: its "extend" shapes (SGLang's draft extend graph, num_steps + 1 tokens per request) are captured on a
+decode backend of their own, since a catch-up's features are the target's hidden states, not the head's own. A
+batch runs on the shapes captured for its features' width.
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
-from kiln.core.graph_shapes import CUDA_GRAPH_KV_WIDTH, bucket_for, prefill_bucket_for, verify_rows
+from kiln.core.graph_shapes import (
+    CUDA_GRAPH_KV_WIDTH,
+    bucket_for,
+    catch_up_rows,
+    prefill_bucket_for,
+    verify_rows,
+)
 from kiln.core.units import gib
 from kiln.platform import available_gb, available_memory_bytes, used_memory_bytes
 from kiln.runner.attention import AttentionBackend
@@ -42,11 +53,13 @@ from kiln.runner.graph_backends import (
     CompiledDecode,
     CompiledPrefill,
     CudaGraphDecode,
+    LogitsRows,
     StepOutput,
     decode_batch,
     dummy_decode_inputs,
     dummy_extend_batch,
     dummy_features,
+    feature_width,
     keeps_hidden,
     takes_features,
 )
@@ -76,8 +89,9 @@ class ShapeRecord:
 # ---------------------------------------------------------------------------------------------- the runner
 @dataclass
 class Phase:
-    """Decode, verify or prefill: its sizes, its backend and what was captured. Verify sizes are decode batches
-    of `tokens_per_req` rows per request, counted in rows; they run on the decode backend."""
+    """Decode, verify, a draft head's catch-up ("extend") or prefill: its sizes, its backend and what was
+    captured. Verify and catch-up sizes are decode batches of `tokens_per_req` rows per request, counted in rows;
+    they run on a decode backend."""
 
     name: str
     sizes: list[int]  # every size asked for, ascending: a batch's bucket is chosen among these
@@ -94,8 +108,13 @@ class Phase:
 
     @property
     def is_decode(self) -> bool:
-        """Its shapes are decode steps (decode or verify rows), run on a decode backend."""
+        """Its shapes are decode steps (decode, verify or catch-up rows), run on a decode backend."""
         return self.name != "prefill"
+
+    @property
+    def is_extend(self) -> bool:
+        """Its shapes are a draft's catch-ups: a draft model's on prefill pieces, a head's as decode rows."""
+        return self.name in ("prefill", "extend")
 
     def shape(self, size: int) -> str:
         """A shape as logs and progress name it: "bs=2", "num_tokens=64", a verify's "bs=2, num_tokens=8"."""
@@ -138,11 +157,13 @@ class GraphRunner:
         role: str = "target",
         verify_tokens_per_req: int = 0,
         decode_tokens_per_req: int = 1,
+        catch_up_tokens_per_req: int = 0,
     ):
         """attn_backend: the attention backend the model runs with (the model runner's); role: "target", or
         "draft" for a speculative draft model or head (SGLang's draft capture log lines); verify_tokens_per_req:
         under speculative decoding, the rows a verify step gives each request (num_draft_tokens; 0: none);
-        decode_tokens_per_req: the rows a decode step gives each request (a tree draft's topk branches)."""
+        decode_tokens_per_req: the rows a decode step gives each request (a tree draft's topk branches);
+        catch_up_tokens_per_req: a draft head's, the most tokens a catch-up gives a request (0: none captured)."""
         self.model, self.device, self.role = model, device, role
         self.attn = attn_backend
         self.cuda = device.startswith("cuda")
@@ -155,7 +176,13 @@ class GraphRunner:
         # ledger's graph reserve counts; the CPU's compiled steps hold no buffers that grow with the rows
         most = max(decode_rows, default=0) if self.cuda else None
         verify = [r for r in verify_rows(batch_sizes, verify_tokens_per_req, most) if r not in decode_rows]
-        configure_compiler(cache_dir, len(decode_rows) + len(verify) + len(prefill_tokens or []))
+        catch_up = []
+        if catch_up_tokens_per_req and takes_features(model):
+            # a head's catch-ups; on CUDA within the largest batch's rows, as the verify rows
+            largest = max(batch_sizes, default=0) if self.cuda else None
+            catch_up = catch_up_rows(batch_sizes, catch_up_tokens_per_req, largest)
+        shapes = len(decode_rows) + len(verify) + len(catch_up) + len(prefill_tokens or [])
+        configure_compiler(cache_dir, shapes)
         self.phases: dict[str, Phase] = {}
         if prefill_tokens:
             prefill = (
@@ -165,12 +192,7 @@ class GraphRunner:
             )
             self.phases["prefill"] = Phase("prefill", sorted(prefill_tokens), prefill, "num_tokens", {})
         if decode_rows:
-            rows = max(decode_rows + verify)
-            decode = (
-                CudaGraphDecode(model, device, rows, min(kv_width, CUDA_GRAPH_KV_WIDTH))
-                if self.cuda
-                else CompiledDecode(model, self.attn, device)
-            )
+            decode = self._decode_backend(max(decode_rows + verify), kv_width, feature_width(model))
             if verify:  # the larger shapes first, as SGLang captures them: graphs share their pool better
                 self.phases["verify"] = Phase(
                     "verify", verify, decode, "bs", {}, tokens_per_req=verify_tokens_per_req
@@ -178,8 +200,26 @@ class GraphRunner:
             self.phases["decode"] = Phase(
                 "decode", decode_rows, decode, "bs", {}, tokens_per_req=decode_tokens_per_req
             )
+        if catch_up:  # after the draft's decode steps, as SGLang captures its draft extend graph
+            # the target's hidden states in; logits at each request's last token only
+            features, logits_rows = feature_width(model, catch_up=True), LogitsRows(catch_up_tokens_per_req)
+            backend = self._decode_backend(max(catch_up), kv_width, features, logits_rows)
+            self.phases["extend"] = Phase(
+                "extend", catch_up, backend, "bs", {}, tokens_per_req=catch_up_tokens_per_req
+            )
         self.failed_replays = 0
         self.payoff = PayoffStore(cache_dir, model) if not self.cuda and self.phases else None
+
+    def _decode_backend(
+        self, rows: int, kv_width: int, features: int | None, logits_rows: LogitsRows | None = None
+    ) -> CompiledDecode | CudaGraphDecode:
+        """A decode backend for batches of up to `rows` rows taking features `features` wide (None: none)."""
+        if self.cuda:
+            width = min(kv_width, CUDA_GRAPH_KV_WIDTH)
+            return CudaGraphDecode(
+                self.model, self.device, rows, width, features=features, logits_rows=logits_rows
+            )
+        return CompiledDecode(self.model, self.attn, self.device, features=features, logits_rows=logits_rows)
 
     @property
     def kind(self) -> str:
@@ -210,7 +250,7 @@ class GraphRunner:
         sizes = sorted(phase.sizes, reverse=True)
         t0, mem0 = time.perf_counter(), used_memory_bytes(self.device)
         avail_mem = gib(available_memory_bytes(self.device))
-        extend = "" if phase.is_decode else " extend"  # a draft's prefill shapes are its catch-up extends
+        extend = " extend" if phase.is_extend else ""
         if self.role == "draft":  # SGLang's wording, which operators watch for after the target's capture
             logger.info(
                 f"Capture draft{extend} {self.kind.lower()} graph begin. This can take up to several minutes. "
@@ -262,12 +302,14 @@ class GraphRunner:
         MAX_SLOWDOWN) is dropped. Code loaded from the cache reuses the times measured when it was compiled."""
         if phase.is_decode:
             inputs = dummy_decode_inputs(rec.size, CAPTURE_KV_LEN, self.device)
-            fb = decode_batch(inputs, self.attn.graph_metadata())
+            index = phase.backend.logits_rows.index(rec.size, self.device)
+            fb = decode_batch(inputs, self.attn.graph_metadata(), index)
         else:
             fb = dummy_extend_batch(rec.size, self.device, self.attn)
         if takes_features(self.model):  # a draft head: both runs read the features handed to it
             rows = rec.size if phase.is_decode else 1
-            self.model.set_features(dummy_features(self.model, rows, self.device))
+            width = phase.backend.feature_width if phase.is_decode else feature_width(self.model)
+            self.model.set_features(dummy_features(self.model, rows, self.device, width))
         earlier = self.payoff.get(phase.name, rec.size) if rec.cache_hit else None
         if earlier is not None:
             phase.backend.replay(rec.size, fb)  # the loaded code runs once before serving
@@ -287,14 +329,22 @@ class GraphRunner:
         )
 
     def _decode_shape(self, fb: ForwardBatch) -> tuple[Phase | None, int | None]:
-        """The decode or verify shape a decode batch pads up to (a verify batch is decode rows too)."""
-        phases = [p for p in self.phases.values() if p.is_decode]
-        n = fb.kv_table.shape[0]
-        size = bucket_for(sorted(s for p in phases for s in p.sizes), n)
-        if size is None:
+        """The decode, verify or catch-up shape a decode batch pads up to, among those captured for the width of
+        the features the model was handed (a head's own or the target's; none for other models)."""
+        features = getattr(self.model, "features", None) if takes_features(self.model) else None
+        width = None if features is None else features.shape[-1]
+        best: tuple[Phase, int] | None = None
+        for phase in self.phases.values():
+            if not phase.is_decode or phase.backend.feature_width != width:
+                continue
+            rows = phase.backend.logits_rows.rows_for(fb)  # a catch-up's shapes are sized by its requests
+            size = bucket_for(phase.sizes, rows) if rows else None
+            if size is not None and (best is None or size < best[1]):
+                best = phase, size
+        if best is None:
             return None, None
-        phase = next(p for p in phases if size in p.sizes)
-        if n > 1 and not phase.backend.reads_shared_prefix_once and fb.attn.mostly_shared:
+        phase, size = best
+        if fb.kv_table.shape[0] > 1 and not phase.backend.reads_shared_prefix_once and fb.attn.mostly_shared:
             return None, None  # the eager path reads KV shared by the batch once: it wins there
         return phase, size
 
@@ -320,9 +370,7 @@ class GraphRunner:
             return None
         if not phase.is_decode:  # prefill pieces: the model's own forward kept its hidden states
             return out, self.model.last_hidden if keeps_hidden(self.model) else None
-        n = fb.kv_table.shape[0]
-        logits, hidden = out
-        return logits[:n], None if hidden is None else hidden[:n]
+        return out  # the decode backends hand out the rows the eager forward would
 
     def summary(self) -> dict:
         return {name: phase.summary() for name, phase in self.phases.items()}

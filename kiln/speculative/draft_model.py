@@ -144,6 +144,9 @@ class ChainDrafter:
         self.sequences: dict[str, _Sequence] = {}
         # since startup: what the model proposed (the verify step counts what the target kept)
         self.drafted_tokens = 0
+        # a head whose catch-ups are captured (capture_draft_graphs): catch-ups of at most this many tokens a
+        # request run as decode rows, the captured shapes; 0: every catch-up runs as an extend
+        self.catch_up_rows = 0
 
     # ---- the Drafter protocol
     def propose(self, inputs: list[DraftInput]) -> list[list[int] | DraftTree]:
@@ -225,7 +228,7 @@ class ChainDrafter:
 
     def _draft(self, work: list[_CatchUp]) -> dict[str, list[int]]:
         work = [c for c in (self._feed_leading(c) for c in work) if c is not None]
-        fb = self._extend_batch(work) if work else None
+        fb = self._catch_up_batch(work) if work else None
         if fb is None:
             return {}
         self._set_features(self._cat([c.features for c in work]))
@@ -252,7 +255,7 @@ class ChainDrafter:
         every live branch (one decode row each, on a draft KV slot of its own) and keeps the best `topk` of their
         children. Every guess slot is freed at the end: the next catch-up recomputes what the target kept."""
         work = [c for c in (self._feed_leading(c) for c in work) if c is not None]
-        fb = self._extend_batch(work) if work else None
+        fb = self._catch_up_batch(work) if work else None
         if fb is None:
             return {}
         self._set_features(self._cat([c.features for c in work]))
@@ -339,31 +342,69 @@ class ChainDrafter:
         """Give back slots of a sequence's table row (trimmed guesses, or everything on release)."""
         self.runner.allocator.free(slots)
 
-    def _extend_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
+    def _catch_up_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
+        """The catch-ups as one batch whose logits rows are each request's last token: decode rows when every one
+        is short enough for the captured catch-up shapes, else an extend; None when the pool is short."""
+        if all(len(c.ids) <= self.catch_up_rows for c in work):
+            return self._catch_up_rows_batch(work)
+        return self._extend_batch(work)
+
+    def _place(self, work: list[_CatchUp]) -> tuple[torch.Tensor, list[int]] | None:
+        """Write the catch-ups' KV slots into their table rows: the slots in order and each request's first
+        column; None when the pool is short."""
         slots = self._catch_up_slots(work)
         if slots is None:
             return None
-        table, ids, positions, seq_slots, rows, offset = self.runner.table.req_to_token, [], [], [], [], 0
-        columns = []
+        table, columns, offset = self.runner.table.req_to_token, [], 0
         for c in work:
             seq, n = self.sequences[c.rid], len(c.ids)
             column = c.start - seq.base
             table[seq.table_idx, column : column + n] = slots[offset : offset + n]
-            ids.extend(c.ids)
-            positions.append(torch.arange(c.start, c.start + n))
-            seq_slots.append(table[seq.table_idx, : column + n])
             columns.append(column)
             offset += n
-            rows.append(offset - 1)
+        return slots, columns
+
+    def _extend_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
+        placed = self._place(work)
+        if placed is None:
+            return None
+        slots, columns = placed
+        lens = [len(c.ids) for c in work]
+        table = self.runner.table.req_to_token
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.cat(positions),
+            input_ids=torch.tensor([t for c in work for t in c.ids], dtype=torch.int64),
+            positions=torch.cat([torch.arange(c.start, c.start + len(c.ids)) for c in work]),
             out_cache_loc=slots,
-            logits_index=torch.tensor(rows, dtype=torch.int64),
-            extend_lens=[len(c.ids) for c in work],
+            logits_index=torch.tensor(lens, dtype=torch.int64).cumsum(0) - 1,
+            extend_lens=lens,
             prefix_lens=columns,
-            seq_slots=seq_slots,
+            seq_slots=[
+                table[self.sequences[c.rid].table_idx, : col + len(c.ids)] for c, col in zip(work, columns)
+            ],
+        )
+
+    def _catch_up_rows_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
+        """The catch-ups as decode rows, one a token, as the target's verify rows are: row j of a request attends
+        to its columns up to its own (SGLang's draft extend after a verify, which a graph can hold)."""
+        placed = self._place(work)
+        if placed is None:
+            return None
+        slots, columns = placed
+        lens = torch.tensor([len(c.ids) for c in work], dtype=torch.int64)
+        idx = torch.tensor([self.sequences[c.rid].table_idx for c in work], dtype=torch.int64)
+        offsets = torch.cat([torch.arange(len(c.ids)) for c in work])  # each token's place in its catch-up
+        starts = torch.tensor([c.start for c in work], dtype=torch.int64).repeat_interleave(lens)
+        seq_lens = torch.tensor(columns, dtype=torch.int64).repeat_interleave(lens) + offsets + 1
+        kv_table, mask = self.runner.table.decode_table(idx.repeat_interleave(lens), seq_lens)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.tensor([t for c in work for t in c.ids], dtype=torch.int64),
+            positions=starts + offsets,
+            out_cache_loc=slots,
+            logits_index=lens.cumsum(0) - 1,
+            kv_table=kv_table,
+            kv_mask=mask,
         )
 
     def _decode_batch(self, active: list[_CatchUp], step: int, last: list[int]) -> ForwardBatch | None:
@@ -482,19 +523,25 @@ def capture_draft_graphs(
     target's are: a draft model's, or an EAGLE / EAGLE-3 / NEXTN head's with its features as a static input (as
     SGLang's EAGLE draft graphs take them), topk rows per request when it drafts trees (SGLang's draft decode
     graph's num_tokens_per_req); False when there is nothing to capture. A draft model's catch-up
-    extends also run on the prefill pieces at `extend_tokens` token counts; a head's layers do not split into the
-    pieces Kiln's prefill capture takes, so its extends run eagerly."""
+    extends also run on the prefill pieces at `extend_tokens` token counts. A head's layers do not split into
+    those pieces: its catch-ups after a verify (at most num_steps + 1 tokens a request) run as decode rows,
+    captured at each batch size x num_steps + 1 rows with the target's hidden states as their features."""
     if not batch_sizes or not isinstance(drafter, ChainDrafter):
         return False
+    from kiln.runner.graph_backends import takes_features
     from kiln.runner.graph_runner import GraphRunner
 
     runner = drafter.runner
     extend = extend_tokens if isinstance(drafter, StandaloneDrafter) else None
+    catch_up = drafter.num_steps + 1 if takes_features(runner.model) else 0
     graphs = GraphRunner(
         runner.model, runner.device, batch_sizes, extend, kv_width, cache_dir, attn_backend=runner.attn_backend,
         role="draft", decode_tokens_per_req=drafter.topk,  # a tree's steps run topk rows per request
+        catch_up_tokens_per_req=catch_up,
     )  # fmt: skip
     graphs.capture(on_progress)
     runner.graphs = graphs
+    if graphs.captured("extend"):
+        drafter.catch_up_rows = catch_up
     runner.measured["graph_capture"] = graphs.capture_bytes
     return True

@@ -70,6 +70,11 @@ class NextnHead(nn.Module):
         """The width of a draft decode step's features (its own output, fed back; a captured step's input)."""
         return self.cfg.hidden_size
 
+    @property
+    def catch_up_feature_width(self) -> int:
+        """The width of a catch-up's features: the target's final hidden state."""
+        return self.cfg.hidden_size
+
     def set_features(self, features: torch.Tensor | None) -> None:
         self.features = features
 

@@ -134,5 +134,6 @@ def with_speculation(inputs: LedgerInputs, args: ServerArgs) -> LedgerInputs:
         draft_rows_per_req=draft_rows,
         draft_extend_layers=layers,
         draft_guess_tokens_per_req=head_guess_tokens(settings.draft_steps, settings.topk) if head else 0,
+        draft_catch_up_tokens_per_req=settings.draft_steps + 1 if head else 0,
         draft_head_kv_layers=1 if settings.algorithm == "NEXTN" else 0,  # its runner has one layer
     )
