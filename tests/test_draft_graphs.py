@@ -57,9 +57,12 @@ def test_a_heads_catch_up_shapes_are_sized_by_their_requests() -> None:
     logits, hidden = torch.arange(3.0).unsqueeze(1), torch.arange(3.0).unsqueeze(1) + 10
     picked = rows.select((logits, hidden), replace(fb, logits_index=torch.tensor([1, 3])))
     assert picked[0].flatten().tolist() == [0.0, 1.0] and picked[1].flatten().tolist() == [10.0, 11.0]
-    every = LogitsRows()  # a decode or verify step: every row, or the rows the batch names
-    assert every.rows_for(fb) == 4 and every.index(4, "cpu", fb) is None
-    assert every.select((logits, hidden), replace(fb, logits_index=torch.tensor([2])))[0].tolist() == [[2.0]]
+    every = LogitsRows()  # a decode or verify step: a batch that wants every row's logits
+    assert every.rows_for(fb) == 4 and every.rows_for(replace(fb, logits_index=None)) == 4
+    assert every.rows_for(replace(fb, logits_index=torch.tensor([1, 3]))) == 0  # a catch-up: not this step
+    assert every.index(4, "cpu", fb) is None
+    padded = torch.arange(6.0).unsqueeze(1)
+    assert every.select((padded, None), fb)[0].flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +92,20 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
         # a chain of 12 tokens: 12, 24 and 48 rows
         assert ngram.graph_reserve_bytes - plain.graph_reserve_bytes == 3 * CPU_COMPILED_STEP_BYTES
     else:  # within 4 rows: verify 3, the head's decode steps 1, 2, 4 and catch-up 3
+        from kiln.core.graph_shapes import CUDA_GRAPH_KV_WIDTH
+
         extra = eagle.graph_reserve_bytes - plain.graph_reserve_bytes
-        assert extra == (1 + 3 + 1) * CUDA_BYTES_PER_GRAPH
+        config = json.loads((target / "config.json").read_text())
+        heads, head_dim = (
+            config["num_key_value_heads"],
+            config["hidden_size"] // config["num_attention_heads"],
+        )
+        kv_row = 2 * heads * head_dim * 2  # a row's K and V of one layer, bfloat16 on CUDA
+        # the catch-up graph's buffers: logits at its 1 request's row (static and graph), 3 rows' gathered K and V
+        width = min(config["max_position_embeddings"], CUDA_GRAPH_KV_WIDTH)
+        catch_up = 2 * 1 * config["vocab_size"] * 4 + 3 * width * kv_row
+        assert extra == (1 + 3 + 1) * CUDA_BYTES_PER_GRAPH + catch_up
+        assert f"draft catch-ups {catch_up / 2**20:.0f} MiB" in line
     # a draft model's catch-up extends on the prefill pieces up to the one holding 4 x 3 tokens: 4, 8 and 16
     pieces = dict(base, cuda_graph_bs_prefill=(4, 8, 16, 32))
     standalone = dict(

@@ -17,7 +17,13 @@ from kiln.loader.model_config import read_hf_config
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput
-from kiln.speculative.draft_model import ChainDrafter, DraftRefused, StandaloneDrafter, check_same_vocabulary
+from kiln.speculative.draft_model import (
+    CatchUpShapes,
+    ChainDrafter,
+    DraftRefused,
+    StandaloneDrafter,
+    check_same_vocabulary,
+)
 from kiln.speculative.eagle import attach_target, build_eagle_drafter
 from kiln.speculative.head_kv import target_pool_rows
 
@@ -317,12 +323,15 @@ def test_a_heads_catch_up_as_decode_rows_drafts_as_its_extend(
     eagle3, eagle_target, target_dir, tmp_path
 ) -> None:
     """Catch-ups run as decode rows (one a token, each attending up to its own column: what a captured catch-up
-    runs) give the logits and drafts of the same catch-ups run as one extend: two requests catching up on several
-    tokens past their first 3. Catch-ups longer than the rows allow stay extends."""
+    runs) give the logits and drafts of the same catch-ups run as one extend: two requests catching up on 5 and 2
+    tokens past their first 3, up to column 8. Catch-ups the captured shapes do not hold stay extends: more
+    tokens a request, more requests or more KV columns than they take."""
     path = save_head(tmp_path / "head", target_dir, eagle3)
     sizes = PoolSizes(POOL, RUNNING, CONTEXT, 1)
     loop, requests, fed = TargetLoop(eagle_target, None), [], 3
-    drafters = {rows: build_eagle_drafter(path, eagle_target, sizes, 3) for rows in (0, 16, 4)}
+    shapes = {"extend": None, "rows": CatchUpShapes(16, 16, columns=8), "tokens": CatchUpShapes(4, 16),
+              "requests": CatchUpShapes(16, 1), "columns": CatchUpShapes(16, 16, columns=7)}  # fmt: skip
+    drafters = {name: build_eagle_drafter(path, eagle_target, sizes, 3) for name in shapes}
     for rid, prompt in zip("ab", (PROMPTS[0], PROMPTS[2])):
         seq = prompt + loop.generate(rid, prompt, new_tokens=3)
         idx = eagle_target.table.alloc()
@@ -330,11 +339,11 @@ def test_a_heads_catch_up_as_decode_rows_drafts_as_its_extend(
         slots = eagle_target.table.req_to_token[idx, : len(seq) - 1]
         requests.append((rid, seq, idx, slots, eagle_target.model.last_hidden))
     drafts, steps = {}, {}
-    for rows, drafter in drafters.items():
+    for name, drafter in drafters.items():
         for rid, seq, _, slots, hidden in requests:  # the first tokens, caught up on as an extend
             drafter.accepted(rid, seq[1 : fed + 1], hidden[:fed])
             drafter.propose([DraftInput(rid, seq[: fed + 1], 3, kv_slots=slots[:fed])])
-        drafter.catch_up_rows = rows
+        drafter.catch_up_shapes = shapes[name]
         forward, seen = drafter.runner.forward, []
 
         def recording(fb, forward=forward, seen=seen):
@@ -345,21 +354,22 @@ def test_a_heads_catch_up_as_decode_rows_drafts_as_its_extend(
         drafter.runner.forward = recording
         for rid, seq, _, _, hidden in requests:
             drafter.accepted(rid, seq[fed + 1 :], hidden[fed:])
-        drafts[rows] = drafter.propose(
+        drafts[name] = drafter.propose(
             [DraftInput(rid, seq, 3, kv_slots=slots) for rid, seq, _, slots, _ in requests]
         )
-        steps[rows] = seen[0]
+        steps[name] = seen[0]
         for rid, *_ in requests:
             drafter.release(rid)
         assert_idle(drafter.runner, held=drafter.mirrored - 1)
     lengths = [len(seq) - 1 - fed for _, seq, *_ in requests]
-    assert lengths == [5, 2]  # 4 rows hold one catch-up, not both: the batch is an extend
-    kinds = {rows: step[:2] for rows, step in steps.items()}
-    assert kinds == {0: (ForwardMode.EXTEND, 7), 16: (ForwardMode.DECODE, 7), 4: (ForwardMode.EXTEND, 7)}
+    assert lengths == [5, 2]
+    kinds = {name: step[0] for name, step in steps.items()}
+    assert kinds == dict.fromkeys(shapes, ForwardMode.EXTEND) | {"rows": ForwardMode.DECODE}
+    assert all(step[1] == 7 for step in steps.values())
     # the logits of each request's last token, then the chains drafted from them
-    assert steps[16][2].shape[0] == 2
-    torch.testing.assert_close(steps[16][2], steps[0][2], rtol=1e-5, atol=1e-5)
-    assert drafts[16] == drafts[0] and all(len(d) == 3 for d in drafts[0])
+    assert steps["rows"][2].shape[0] == 2
+    torch.testing.assert_close(steps["rows"][2], steps["extend"][2], rtol=1e-5, atol=1e-5)
+    assert drafts["rows"] == drafts["extend"] and all(len(d) == 3 for d in drafts["extend"])
     for _, _, idx, slots, _ in requests:
         eagle_target.allocator.free(slots.clone())
         eagle_target.table.free(idx)
@@ -540,7 +550,7 @@ def test_nextn_is_lossless(deepseek) -> None:
     proposals: dict[int, list] = {}
     for rows in (0, 4):  # catch-ups as extends, then as decode rows (what a captured catch-up runs)
         drafter = build_nextn_drafter(target, PoolSizes(POOL, RUNNING, CONTEXT, 1), 3)
-        drafter.catch_up_rows = rows
+        drafter.catch_up_shapes = CatchUpShapes(rows, RUNNING) if rows else None
         proposals[rows], modes = record_drafts(drafter), record_modes(drafter.runner)
         assert [TargetLoop(target, drafter, 3).generate(str(i), p) for i, p in enumerate(PROMPTS)] == expected
         assert (ForwardMode.DECODE in modes[::3]) == bool(rows)  # every catch-up: the first forward of 3

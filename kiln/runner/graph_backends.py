@@ -114,13 +114,14 @@ class LogitsRows:
         self.tokens_per_logit = tokens_per_logit
 
     def rows_for(self, fb: ForwardBatch) -> int:
-        """The captured rows a batch needs: its rows, or with logits rows its requests' share of them."""
+        """The captured rows a batch needs (0: this step cannot run it). A step computing every row's logits takes
+        a batch that wants every row's (decode and verify steps name all their rows, in order); a catch-up's,
+        one that names a row per request, its requests' share of the rows."""
         n = int(fb.kv_table.shape[0])
+        wanted = n if fb.logits_index is None else len(fb.logits_index)
         if not self.tokens_per_logit:
-            return n
-        if fb.logits_index is None:
-            return 0  # every row's logits: not what this step computes
-        return max(n, len(fb.logits_index) * self.tokens_per_logit)
+            return n if wanted == n else 0
+        return 0 if fb.logits_index is None else max(n, wanted * self.tokens_per_logit)
 
     def count(self, bs: int) -> int:
         """The rows of logits (and hidden states) a step of bs rows computes."""
@@ -136,13 +137,11 @@ class LogitsRows:
         return index
 
     def select(self, out: StepOutput, fb: ForwardBatch) -> StepOutput:
-        """The rows of a step's output that the eager forward of the batch returns."""
-        if self.tokens_per_logit:
-            rows: slice | torch.Tensor = slice(len(fb.logits_index))
-        else:
-            rows = slice(fb.kv_table.shape[0]) if fb.logits_index is None else fb.logits_index
+        """The rows of a step's output that the eager forward of the batch returns: the batch's rows of a padded
+        step (every row, as rows_for takes them), or its requests' logits rows."""
+        wanted = len(fb.logits_index) if self.tokens_per_logit else int(fb.kv_table.shape[0])
         logits, hidden = out
-        return logits[rows], None if hidden is None else hidden[rows]
+        return logits[:wanted], None if hidden is None else hidden[:wanted]
 
 
 def dummy_decode_inputs(bs: int, length: int, device) -> DecodeInputs:
@@ -236,6 +235,7 @@ class CompiledDecode:
 
     name = "inductor"
     compiled = True  # its payoff against eager is measured at capture
+    kv_width: int | None = None  # the KV length is dynamic: any width replays
 
     def __init__(
         self,

@@ -178,7 +178,8 @@ class GraphRunner:
         verify = [r for r in verify_rows(batch_sizes, verify_tokens_per_req, most) if r not in decode_rows]
         catch_up = []
         if catch_up_tokens_per_req and takes_features(model):
-            # a head's catch-ups; on CUDA within the largest batch's rows, as the verify rows
+            # a head's catch-ups; on CUDA within the largest batch's rows, as the verify rows: the graphs' static
+            # buffers and gathered K / V grow with the rows, and the ledger counts them at that size
             largest = max(batch_sizes, default=0) if self.cuda else None
             catch_up = catch_up_rows(batch_sizes, catch_up_tokens_per_req, largest)
         shapes = len(decode_rows) + len(verify) + len(catch_up) + len(prefill_tokens or [])

@@ -1,13 +1,14 @@
 """STANDALONE speculative decoding: a smaller model with the target's tokenizer drafts a chain of tokens.
 
 The draft has its own ModelRunner (weights, KV pool, request table) sized for the target's running requests at
-its context. Each verify step it catches up on the tokens the target kept since the last one with one extend
-(whose last row gives the first draft token), then decodes greedily for the rest of the chain. The KV of the
-draft's own guesses is dropped right after proposing: the catch-up extend of the next step recomputes the
-accepted ones, so the draft's KV only ever holds tokens the target kept and a rejected guess costs nothing to
-undo.
+its context. Each verify step it catches up on the tokens the target kept since the last one in one forward, an
+extend (whose last row gives the first draft token), then decodes greedily for the rest of the chain. The KV of
+the draft's own guesses is dropped right after proposing: the catch-up of the next step recomputes the accepted
+ones, so the draft's KV only ever holds tokens the target kept and a rejected guess costs nothing to undo.
 
-`ChainDrafter` is that loop for any draft model; the EAGLE heads (eagle.py) feed it features as well as tokens.
+`ChainDrafter` is that loop for any draft model; the EAGLE heads (eagle.py) feed it features as well as tokens,
+and once their catch-ups are captured (`CatchUpShapes`) run those the captured shapes hold as decode rows, one a
+token, each row's logits wanted at its request's last token only.
 With --speculative-eagle-topk above 1 it grows a tree instead, as SGLang's EAGLE worker does (`_Branches`,
 `select_tree`): every draft step expands the `topk` best branches so far by their `topk` likeliest children, each
 branch attending to the kept KV and its own path's draft KV only.
@@ -29,7 +30,7 @@ from kiln.speculative.base import DraftInput, DraftTree
 logger = logging.getLogger("kiln")
 
 
-# tokens of one catch-up extend at most: a prompt the draft has not seen goes in chunks, as the target's prefill
+# tokens of one catch-up at most: a prompt the draft has not seen goes in chunks, as the target's prefill
 CATCH_UP_CHUNK = 2048
 
 
@@ -46,6 +47,24 @@ class _Sequence:
     table_idx: int
     kept: int = 0
     base: int = 0
+
+
+@dataclass(frozen=True)
+class CatchUpShapes:
+    """What a head's captured catch-ups hold (capture_draft_graphs): `tokens` tokens a request (num_steps + 1),
+    `requests` requests (the largest captured shape's), KV columns up to `columns` (the CUDA graphs' static
+    width; None: any). Catch-ups they hold run as decode rows; others as an extend, which reads each request's
+    KV once where decode rows read it once a token."""
+
+    tokens: int
+    requests: int
+    columns: int | None = None
+
+    def hold(self, work: list[_CatchUp], sequences: dict[str, _Sequence]) -> bool:
+        if len(work) > self.requests or any(len(c.ids) > self.tokens for c in work):
+            return False
+        last = max(c.start - sequences[c.rid].base + len(c.ids) for c in work)
+        return self.columns is None or last <= self.columns
 
 
 @dataclass(frozen=True)
@@ -144,9 +163,9 @@ class ChainDrafter:
         self.sequences: dict[str, _Sequence] = {}
         # since startup: what the model proposed (the verify step counts what the target kept)
         self.drafted_tokens = 0
-        # a head whose catch-ups are captured (capture_draft_graphs): catch-ups of at most this many tokens a
-        # request run as decode rows, the captured shapes; 0: every catch-up runs as an extend
-        self.catch_up_rows = 0
+        # a head whose catch-ups are captured (capture_draft_graphs): those they hold run as decode rows, the
+        # captured shapes; None: every catch-up runs as an extend
+        self.catch_up_shapes: CatchUpShapes | None = None
 
     # ---- the Drafter protocol
     def propose(self, inputs: list[DraftInput]) -> list[list[int] | DraftTree]:
@@ -160,7 +179,7 @@ class ChainDrafter:
 
     def accepted(self, rid: str, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Nothing to do here: the next propose sees the kept tokens in its inputs and catches up on them in
-        the same extend that drafts its first token."""
+        the same forward that drafts its first token."""
 
     def release(self, rid: str) -> None:
         seq = self.sequences.pop(rid, None)
@@ -251,7 +270,7 @@ class ChainDrafter:
         return chains
 
     def _draft_trees(self, work: list[_CatchUp]) -> dict[str, DraftTree]:
-        """topk > 1: the catch-up extend gives each request's first `topk` branches; each later step forwards
+        """topk > 1: the catch-up gives each request's first `topk` branches; each later step forwards
         every live branch (one decode row each, on a draft KV slot of its own) and keeps the best `topk` of their
         children. Every guess slot is freed at the end: the next catch-up recomputes what the target kept."""
         work = [c for c in (self._feed_leading(c) for c in work) if c is not None]
@@ -343,9 +362,9 @@ class ChainDrafter:
         self.runner.allocator.free(slots)
 
     def _catch_up_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
-        """The catch-ups as one batch whose logits rows are each request's last token: decode rows when every one
-        is short enough for the captured catch-up shapes, else an extend; None when the pool is short."""
-        if all(len(c.ids) <= self.catch_up_rows for c in work):
+        """The catch-ups as one batch whose logits rows are each request's last token: decode rows when the
+        captured catch-up shapes hold them, else an extend; None when the pool is short."""
+        if self.catch_up_shapes is not None and self.catch_up_shapes.hold(work, self.sequences):
             return self._catch_up_rows_batch(work)
         return self._extend_batch(work)
 
@@ -542,6 +561,7 @@ def capture_draft_graphs(
     graphs.capture(on_progress)
     runner.graphs = graphs
     if graphs.captured("extend"):
-        drafter.catch_up_rows = catch_up
+        largest, width = max(graphs.captured("extend")), graphs.phases["extend"].backend.kv_width
+        drafter.catch_up_shapes = CatchUpShapes(catch_up, largest // catch_up, width)
     runner.measured["graph_capture"] = graphs.capture_bytes
     return True
