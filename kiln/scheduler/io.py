@@ -187,7 +187,7 @@ class ServerInfo:
     graphs: dict[str, Any] | None  # the captured graphs' summary; None without graphs
     pid: int
     tp_size: int = 1
-    # the speculative draft's captured steps (its decode shapes, tree rows, catch-up extends); None without them
+    # the speculative draft's captured steps (its decode shapes, tree rows, catch-ups); None without them
     draft_graphs: dict[str, Any] | None = None
     # with several tensor-parallel ranks, each rank's memory_check rows in rank order (memory_check is rank 0's)
     memory_check_per_rank: list[list[dict[str, Any]]] | None = None

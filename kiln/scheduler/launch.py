@@ -234,7 +234,7 @@ def _start_graphs(
 
 def _start_draft_graphs(spec: SpecDecoder, ledger: Ledger, args: ServerArgs, phase: OnPhase) -> None:
     """The draft's decode shapes, after the target's: a startup phase of its own with its progress; a draft
-    model's catch-up extends on prefill pieces (draft_extend_tokens)."""
+    model's catch-up extends on prefill pieces (draft_extend_tokens), a head's catch-ups as decode rows."""
     from kiln.core.graph_shapes import draft_extend_tokens
     from kiln.runner.compiler import compile_cache_dir
     from kiln.speculative.draft_model import capture_draft_graphs

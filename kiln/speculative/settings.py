@@ -124,7 +124,8 @@ def with_speculation(inputs: LedgerInputs, args: ServerArgs) -> LedgerInputs:
     if settings is None:
         return inputs
     draft_rows = 0 if settings.algorithm == "NGRAM" else settings.topk  # NGRAM has no model to capture
-    # a draft model's catch-up extends run on prefill pieces; a head's layers do not split into them
+    # a draft model's catch-up extends run on prefill pieces; a head's layers do not split into them, its
+    # catch-ups run as decode rows (num_steps + 1 a request)
     draft = inputs.draft_hf_config if settings.algorithm == "STANDALONE" else None
     layers = int(draft.get("num_hidden_layers", 0)) if draft else 0
     head = settings.algorithm in ("EAGLE", "EAGLE3", "NEXTN")
