@@ -75,7 +75,8 @@ def paths(tmp_path_factory) -> tuple[Path, str]:
 def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) -> None:
     """`kiln plan` and serve reserve for the graphs speculation adds: the target's verify shapes (on CUDA those
     within the largest decode graph's rows), the draft's decode steps and a head's catch-ups (each size x
-    num_steps + 1 rows, on CUDA within the same rows); NGRAM has no draft steps."""
+    num_steps + 1 rows, on CUDA within the same rows), on CUDA with the draft graphs' buffers; NGRAM has no
+    draft steps."""
     from kiln.config import ServerArgs
     from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CUDA_BYTES_PER_GRAPH
     from kiln.scheduler.launch import plan_ledger
@@ -86,26 +87,17 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
     eagle = plan_ledger(ServerArgs(**base, **SPEC, speculative_draft_model_path=head)).ledger
     ngram = plan_ledger(ServerArgs(**base, speculative_algorithm="NGRAM", speculative_eagle_topk=1)).ledger
     line = eagle.line("graph reserve").inputs
+    config = json.loads((target / "config.json").read_text())
     if device == "cpu":  # 3 x 3 verify rows: 3, 6, 12; the head's decode steps 1, 2, 4 and catch-ups 3, 6, 12
         assert "3 verify shapes + 6 draft steps" in line
         assert eagle.graph_reserve_bytes - plain.graph_reserve_bytes == 9 * CPU_COMPILED_STEP_BYTES
         # a chain of 12 tokens: 12, 24 and 48 rows
         assert ngram.graph_reserve_bytes - plain.graph_reserve_bytes == 3 * CPU_COMPILED_STEP_BYTES
     else:  # within 4 rows: verify 3, the head's decode steps 1, 2, 4 and catch-up 3
-        from kiln.core.graph_shapes import CUDA_GRAPH_KV_WIDTH
-
         extra = eagle.graph_reserve_bytes - plain.graph_reserve_bytes
-        config = json.loads((target / "config.json").read_text())
-        heads, head_dim = (
-            config["num_key_value_heads"],
-            config["hidden_size"] // config["num_attention_heads"],
-        )
-        kv_row = 2 * heads * head_dim * 2  # a row's K and V of one layer, bfloat16 on CUDA
-        # the catch-up graph's buffers: logits at its 1 request's row (static and graph), 3 rows' gathered K and V
-        width = min(config["max_position_embeddings"], CUDA_GRAPH_KV_WIDTH)
-        catch_up = 2 * 1 * config["vocab_size"] * 4 + 3 * width * kv_row
-        assert extra == (1 + 3 + 1) * CUDA_BYTES_PER_GRAPH + catch_up
-        assert f"draft catch-ups {catch_up / 2**20:.0f} MiB" in line
+        head_steps, catch_up = draft_graph_bytes(config, 4, 4), draft_graph_bytes(config, 3, 1)
+        assert extra == (1 + 3 + 1) * CUDA_BYTES_PER_GRAPH + head_steps + catch_up
+        assert f"draft steps {(head_steps + catch_up) / 2**20:.0f} MiB" in line
     # a draft model's catch-up extends on the prefill pieces up to the one holding 4 x 3 tokens: 4, 8 and 16
     pieces = dict(base, cuda_graph_bs_prefill=(4, 8, 16, 32))
     standalone = dict(
@@ -118,9 +110,21 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
     extra = drafting.graph_reserve_bytes - without.graph_reserve_bytes
     if device == "cpu":
         assert extra == (3 + 3 + 3) * CPU_COMPILED_STEP_BYTES  # verify shapes, decode steps, extends
-    else:
-        layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
-        assert extra == (1 + 3 + 3 * layers * 2) * CUDA_BYTES_PER_GRAPH
+    else:  # and the draft's decode steps' largest graph, 4 rows
+        graphs = 1 + 3 + 3 * config["num_hidden_layers"] * 2
+        assert extra == graphs * CUDA_BYTES_PER_GRAPH + draft_graph_bytes(config, 4, 4)
+
+
+def draft_graph_bytes(config: dict, rows: int, logits_rows: int) -> int:
+    """A CUDA draft graph's buffers as the ledger counts them, for a draft of `config`'s dimensions (the head's
+    and the draft model here are the target's): logits at `logits_rows` rows (static and graph), one layer's K and
+    V gathered for `rows` rows at the graphs' KV width, bfloat16."""
+    from kiln.core.graph_shapes import CUDA_GRAPH_KV_WIDTH
+
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    kv_row = 2 * config["num_key_value_heads"] * head_dim * 2
+    width = min(config["max_position_embeddings"], CUDA_GRAPH_KV_WIDTH)
+    return 2 * logits_rows * config["vocab_size"] * 4 + rows * width * kv_row
 
 
 def test_the_ledger_counts_a_heads_guess_slots(paths) -> None:

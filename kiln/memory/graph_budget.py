@@ -119,53 +119,59 @@ def cuda_graph_reserve(
     inputs: LedgerInputs, sizes: tuple[int, ...], prefill: tuple[int, ...]
 ) -> tuple[int, str]:
     """The graphs' runtime; decode: the static logits and the largest graph's logits and gathered K and V of one
-    layer (and a head's catch-up graphs' the same); prefill: at the largest token count, the static buffers (two hidden states, attention output, q/k/v,
+    layer (and the draft's decode and catch-up graphs' the same); prefill: at the largest token count, the static buffers (two hidden states, attention output, q/k/v,
     cos/sin) and one piece's activations (gate_up, its product, float32 norms); and a cost per graph."""
     cfg = text_config(inputs.hf_config)
     decode_bytes = _decode_graph_bytes(inputs, max(sizes)) if sizes else 0
-    catch_up_bytes = _catch_up_graph_bytes(inputs, sizes)
+    draft_bytes = _draft_graph_bytes(inputs, sizes)
     prefill_bytes = _prefill_graph_bytes(inputs, max(prefill)) if prefill else 0
     verify, draft = speculative_graphs(inputs, sizes)
     # a draft model's extends on prefill pieces: two graphs per layer per token count, as the target's prefill
     draft += len(_draft_extends(inputs, sizes, prefill)) * inputs.draft_extend_layers * 2
     graphs = len(sizes) + verify + draft + len(prefill) * required(cfg, "num_hidden_layers") * 2
     total = (
-        CUDA_GRAPH_RUNTIME_BYTES
-        + decode_bytes
-        + catch_up_bytes
-        + prefill_bytes
-        + graphs * CUDA_BYTES_PER_GRAPH
+        CUDA_GRAPH_RUNTIME_BYTES + decode_bytes + draft_bytes + prefill_bytes + graphs * CUDA_BYTES_PER_GRAPH
     )
     if is_mla(cfg):
         total += 1536 * MIB  # SGLang's MLA allowance
     text = (
         f"runtime {CUDA_GRAPH_RUNTIME_BYTES // MIB} MiB + decode bs <= {max(sizes, default=0)} "
         f"{decode_bytes / MIB:.0f} MiB + "
-        + (f"draft catch-ups {catch_up_bytes / MIB:.0f} MiB + " if catch_up_bytes else "")
+        + (f"draft steps {draft_bytes / MIB:.0f} MiB + " if draft_bytes else "")
         + f"prefill <= {max(prefill, default=0)} tokens {prefill_bytes / MIB:.0f} MiB + "
         f"{graphs} graphs x {CUDA_BYTES_PER_GRAPH / MIB:.2f} MiB"
     )
     return total, text
 
 
-def _catch_up_graph_bytes(inputs: LedgerInputs, sizes: tuple[int, ...]) -> int:
-    """A head's catch-up graphs, on a backend of their own: its largest graph's buffers, as a decode graph's at
-    its rows, with logits at one row per request (an estimate from the target's dimensions: an EAGLE head's
-    attention and vocabulary are the target's)."""
+def _draft_graph_bytes(inputs: LedgerInputs, sizes: tuple[int, ...]) -> int:
+    """The draft's graphs, as the target's decode graphs in the draft's dimensions (NEXTN's head: the target's):
+    its decode steps' largest graph (the largest batch x topk rows), and a head's catch-ups on a backend of their
+    own (their largest graph, logits at one row per request)."""
+    if not sizes or not inputs.draft_rows_per_req:
+        return 0
+    cfg = inputs.draft_hf_config or inputs.hf_config
+    total = _decode_graph_bytes(inputs, max(sizes) * inputs.draft_rows_per_req, hf_config=cfg)
     tokens = inputs.draft_catch_up_tokens_per_req
-    rows = catch_up_rows(list(sizes), tokens, max(sizes, default=0)) if tokens else []
-    return _decode_graph_bytes(inputs, max(rows), max(rows) // tokens) if rows else 0
+    rows = catch_up_rows(list(sizes), tokens, max(sizes)) if tokens else []
+    if rows:
+        total += _decode_graph_bytes(inputs, max(rows), max(rows) // tokens, hf_config=cfg)
+    return total
 
 
-def _decode_graph_bytes(inputs: LedgerInputs, batch: int, logits_rows: int | None = None) -> int:
+def _decode_graph_bytes(
+    inputs: LedgerInputs, batch: int, logits_rows: int | None = None, hf_config: dict | None = None
+) -> int:
     """The largest decode graph: static and graph logits (of every row, or `logits_rows`), and one layer's K and V
-    gathered to the graphs' width."""
-    cfg = text_config(inputs.hf_config)
+    gathered to the graphs' width; of the target, or of the model `hf_config` describes (a draft's, whose logits
+    are over its own vocabulary: EAGLE-3's draft_vocab_size)."""
+    cfg = text_config(hf_config or inputs.hf_config)
     kv_element_bytes = dtype_bytes(kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype))
     key_width, value_width, _ = kv_dims(cfg, inputs.tp_size)
     width = min(inputs.context_length or context_len_of(inputs.hf_config), CUDA_GRAPH_KV_WIDTH)
+    vocab = int(cfg.get("draft_vocab_size") or required(cfg, "vocab_size"))
     return (
-        2 * (batch if logits_rows is None else logits_rows) * required(cfg, "vocab_size") * 4
+        2 * (batch if logits_rows is None else logits_rows) * vocab * 4
         + batch * width * (key_width + value_width) * kv_element_bytes
     )
 
