@@ -119,8 +119,9 @@ def cuda_graph_reserve(
     inputs: LedgerInputs, sizes: tuple[int, ...], prefill: tuple[int, ...]
 ) -> tuple[int, str]:
     """The graphs' runtime; decode: the static logits and the largest graph's logits and gathered K and V of one
-    layer (and the draft's decode and catch-up graphs' the same); prefill: at the largest token count, the static buffers (two hidden states, attention output, q/k/v,
-    cos/sin) and one piece's activations (gate_up, its product, float32 norms); and a cost per graph."""
+    layer (and the draft's decode and catch-up graphs' the same); prefill: at the largest token count, the static
+    buffers (two hidden states, attention output, q/k/v, cos/sin) and one piece's activations (gate_up, its
+    product, float32 norms); and a cost per graph."""
     cfg = text_config(inputs.hf_config)
     decode_bytes = _decode_graph_bytes(inputs, max(sizes)) if sizes else 0
     draft_bytes = _draft_graph_bytes(inputs, sizes)

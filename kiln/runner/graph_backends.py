@@ -349,9 +349,7 @@ class CudaGraphDecode:
             self.logits_index[: len(index)].copy_(index)
         self.graphs[bs]()
         # the rows the batch wants, copied out of the buffers the next replay overwrites
-        count = self.logits_rows.count(bs)
-        out = self.logits[:count], None if self.hidden is None else self.hidden[:count]
-        logits, hidden = self.logits_rows.select(out, fb)
+        logits, hidden = self.logits_rows.select((self.logits, self.hidden), fb)
         return logits.clone(), None if hidden is None else hidden.clone()
 
 

@@ -177,7 +177,7 @@ class GraphRunner:
         most = max(decode_rows, default=0) if self.cuda else None
         verify = [r for r in verify_rows(batch_sizes, verify_tokens_per_req, most) if r not in decode_rows]
         catch_up = []
-        if catch_up_tokens_per_req and takes_features(model):
+        if catch_up_tokens_per_req:
             # a head's catch-ups; on CUDA within the largest batch's rows, as the verify rows: the graphs' static
             # buffers and gathered K / V grow with the rows, and the ledger counts them at that size
             largest = max(batch_sizes, default=0) if self.cuda else None

@@ -235,7 +235,7 @@ class ChainDrafter:
         the last; the rest, or None when the pool is short."""
         while len(c.ids) > CATCH_UP_CHUNK:
             features = None if c.features is None else c.features[:CATCH_UP_CHUNK]
-            fb = self._extend_batch([_CatchUp(c.rid, c.ids[:CATCH_UP_CHUNK], c.start, 0, features)])
+            fb = self._catch_up_batch([_CatchUp(c.rid, c.ids[:CATCH_UP_CHUNK], c.start, 0, features)])
             if fb is None:
                 return None
             self._set_features(features)
@@ -364,9 +364,26 @@ class ChainDrafter:
     def _catch_up_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
         """The catch-ups as one batch whose logits rows are each request's last token: decode rows when the
         captured catch-up shapes hold them, else an extend; None when the pool is short."""
+        placed = self._place(work)
+        if placed is None:
+            return None
+        slots, columns = placed
+        lens = torch.tensor([len(c.ids) for c in work], dtype=torch.int64)
+        ids = torch.tensor([t for c in work for t in c.ids], dtype=torch.int64)
+        common = {"input_ids": ids, "out_cache_loc": slots, "logits_index": lens.cumsum(0) - 1}
         if self.catch_up_shapes is not None and self.catch_up_shapes.hold(work, self.sequences):
-            return self._catch_up_rows_batch(work)
-        return self._extend_batch(work)
+            return self._as_decode_rows(work, columns, lens, common)
+        table = self.runner.table.req_to_token
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            positions=torch.cat([torch.arange(c.start, c.start + len(c.ids)) for c in work]),
+            extend_lens=lens.tolist(),
+            prefix_lens=columns,
+            seq_slots=[
+                table[self.sequences[c.rid].table_idx, : col + len(c.ids)] for c, col in zip(work, columns)
+            ],
+            **common,
+        )
 
     def _place(self, work: list[_CatchUp]) -> tuple[torch.Tensor, list[int]] | None:
         """Write the catch-ups' KV slots into their table rows: the slots in order and each request's first
@@ -383,47 +400,18 @@ class ChainDrafter:
             offset += n
         return slots, columns
 
-    def _extend_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
-        placed = self._place(work)
-        if placed is None:
-            return None
-        slots, columns = placed
-        lens = [len(c.ids) for c in work]
-        table = self.runner.table.req_to_token
-        return ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            input_ids=torch.tensor([t for c in work for t in c.ids], dtype=torch.int64),
-            positions=torch.cat([torch.arange(c.start, c.start + len(c.ids)) for c in work]),
-            out_cache_loc=slots,
-            logits_index=torch.tensor(lens, dtype=torch.int64).cumsum(0) - 1,
-            extend_lens=lens,
-            prefix_lens=columns,
-            seq_slots=[
-                table[self.sequences[c.rid].table_idx, : col + len(c.ids)] for c, col in zip(work, columns)
-            ],
-        )
-
-    def _catch_up_rows_batch(self, work: list[_CatchUp]) -> ForwardBatch | None:
+    def _as_decode_rows(
+        self, work: list[_CatchUp], columns: list[int], lens: torch.Tensor, common: dict
+    ) -> ForwardBatch:
         """The catch-ups as decode rows, one a token, as the target's verify rows are: row j of a request attends
         to its columns up to its own (SGLang's draft extend after a verify, which a graph can hold)."""
-        placed = self._place(work)
-        if placed is None:
-            return None
-        slots, columns = placed
-        lens = torch.tensor([len(c.ids) for c in work], dtype=torch.int64)
         idx = torch.tensor([self.sequences[c.rid].table_idx for c in work], dtype=torch.int64)
         offsets = torch.cat([torch.arange(len(c.ids)) for c in work])  # each token's place in its catch-up
         starts = torch.tensor([c.start for c in work], dtype=torch.int64).repeat_interleave(lens)
         seq_lens = torch.tensor(columns, dtype=torch.int64).repeat_interleave(lens) + offsets + 1
         kv_table, mask = self.runner.table.decode_table(idx.repeat_interleave(lens), seq_lens)
         return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=torch.tensor([t for c in work for t in c.ids], dtype=torch.int64),
-            positions=starts + offsets,
-            out_cache_loc=slots,
-            logits_index=lens.cumsum(0) - 1,
-            kv_table=kv_table,
-            kv_mask=mask,
+            mode=ForwardMode.DECODE, positions=starts + offsets, kv_table=kv_table, kv_mask=mask, **common
         )
 
     def _decode_batch(self, active: list[_CatchUp], step: int, last: list[int]) -> ForwardBatch | None:
