@@ -304,6 +304,8 @@ class ServerArgs:
             raise ValueError("--tp-size must be >= 1")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size {self.dp_size} must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads {self.num_threads} must be >= 1 (or left out: all cores)")
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ValueError(
                 f"--hicache-storage-backend {self.hicache_storage_backend} sits below the host tier: add "

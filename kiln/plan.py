@@ -18,7 +18,7 @@ from kiln.loader.model_config import read_hf_config
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table, format_verdict, ledger_json
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.scheduler.launch import tp_refusal
+from kiln.scheduler.launch import hybrid_refusal, tp_refusal
 from kiln.speculative.settings import with_speculation
 
 __all__ = ["add_arguments", "format_refusal", "ledger_for_args", "main", "register", "run"]
@@ -40,10 +40,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def ledger_for_args(args: ServerArgs) -> Ledger:
-    """The ledger `kiln serve` would compute for these arguments. Raises ValueError for unusable ones, a
-    --tp-size that cannot split the model among them (as `kiln serve` refuses it)."""
+    """The ledger `kiln serve` would compute for these arguments. Raises ValueError for unusable ones, as
+    `kiln serve` refuses them: a --tp-size that cannot split the model, a flag a hybrid model cannot take."""
     hf_config = read_hf_config(args.model_path)
-    refusal = tp_refusal(args, hf_config)
+    refusal = tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
     if refusal is not None:
         raise ValueError(refusal)
     return compute_ledger(with_speculation(LedgerInputs.from_args(args, hf_config), args))

@@ -7,6 +7,7 @@ of tests/hybrid_models.py."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from collections.abc import Iterator
 
@@ -166,6 +167,58 @@ def test_plan_shows_both_pools(capsys, model_path: str) -> None:
     assert "4 running requests x 3 slots (1 working + 2 checkpoints)" in out
     assert "8 slots x" in out and "--mamba-track-interval 256" in out
     assert "state pool: 12 slots = 4 running requests + 8 prefix-cache checkpoints" in out
+
+
+@pytest.mark.parametrize(
+    "flags, refusal",
+    [
+        (["--tp-size", "2"], "linear-attention layers (Kiln runs them on one rank only); tensor-parallel sizes "
+         "that work: 1"),
+        (["--enable-hierarchical-cache"], "--enable-hierarchical-cache keeps KV only"),
+        (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm NGRAM: a hybrid linear-attention"),
+        (["--page-size", "16", "--mamba-track-interval", "24"], "--mamba-track-interval 24 must be a multiple of "
+         "--page-size 16"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_what_serve_refuses(capsys, model_dir, flags: list[str], refusal: str) -> None:
+    rc = plan.main(["--model-path", model_dir(hybrid_config()), "--device", "cpu", *flags])
+    assert rc == 2 and refusal in capsys.readouterr().err
+
+
+def test_weights_beyond_one_gpu_are_not_offered_more_ranks(capsys, model_dir) -> None:
+    """Qwen3-Next-80B-A3B's 148 GiB of weights on an 80 GiB GPU: a Llama would be told --tp-size 4
+    (tests/test_plan.py); a hybrid runs on one rank only, so no flag fixes it."""
+    qwen3_next_80b = hybrid_config(
+        hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, full_attention_interval=4,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512, mlp_only_layers=[],
+        vocab_size=151936,
+    )  # fmt: skip
+    argv = [
+        "--model-path",
+        model_dir(qwen3_next_80b),
+        "--device",
+        "cuda",
+        "--device-memory",
+        "80GiB",
+        "--json",
+    ]
+    assert plan.main(argv) == 1
+    failure = json.loads(capsys.readouterr().out)["failure"]
+    assert failure["moment"] == "load_weights" and failure["fix_flags"] == {}, failure
+    assert "no flag fixes this" in failure["fix"] and "GPU with more memory" in failure["fix"]
+    assert "--tp-size" not in failure["fix"] and "more GPUs" not in failure["fix"]
+
+
+def test_too_few_state_slots_are_fixed_by_as_many_as_the_requests_need(capsys, model_dir) -> None:
+    argv = ["--model-path", model_dir(hybrid_config()), "--device", "cpu", "--max-running-requests", "4"]
+    assert plan.main([*argv, "--max-mamba-cache-size", "2", "--json"]) == 1
+    failure = json.loads(capsys.readouterr().out)["failure"]
+    assert "hold no request: each needs 3 slots" in failure["message"], failure
+    assert failure["fix_flags"] == {"--max-mamba-cache-size": "12"}, failure
+    assert "--max-mamba-cache-size 12 (4 requests x 3 slots)" in failure["fix"]
+    assert plan.main([*argv, "--max-mamba-cache-size", "12"]) == 0
 
 
 # ---------------------------------------------------------------------------------------------- the tree

@@ -152,11 +152,23 @@ def test_hicache_refusal_names_system_ram_and_flags(capsys, model_dir):
         ["--device", "cpu", "--chunked-prefill-size", "0"],
         ["--device", "cpu", "--mem-fraction-static", "1"],
         ["--device", "cpu", "--kv-cache-dtype", "nvfp4"],
+        ["--device", "cpu", "--num-threads", "-1"],
     ],
 )
 def test_unusable_arguments_exit_2(capsys, model_dir, argv):
     rc, _, err = run_plan(capsys, ["--model-path", model_dir(TINY)] + argv)
     assert rc == 2 and err
+
+
+def test_a_context_longer_than_the_model_is_refused_unless_allowed(capsys, model_dir, monkeypatch):
+    """SGLang's rule and its switch: positions past the model's maximum may give wrong outputs."""
+    argv = ["--model-path", model_dir(TINY), "--device", "cpu", "--context-length", "1024"]
+    rc, _, err = run_plan(capsys, argv)
+    assert rc == 2 and "--context-length 1024 is longer than this model's maximum position 512" in err, err
+    assert "use --context-length 512 or less, or set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in err
+    monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    rc, out, _ = run_plan(capsys, argv)
+    assert rc == 0 and "context_len=1024" in out
 
 
 def test_bad_model_paths_exit_2(capsys, tmp_path):

@@ -24,6 +24,9 @@ KILN_FP8_WEIGHTS = "KILN_FP8_WEIGHTS"
 FP8_WEIGHTS_MODES = ("auto", "keep", "dequantize")
 # inductor's own on-disk cache directory; the default for --compile-cache-dir when set.
 TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
+# SGLang's own switch, honoured under its name: a --context-length longer than the model's maximum position is
+# refused unless it is "1" or "true" (positions past what the model was trained on may give wrong outputs).
+SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
 FAULT_KINDS = ("crash", "stall")
 
@@ -67,3 +70,7 @@ def fp8_weights() -> str:
     if raw not in FP8_WEIGHTS_MODES:
         raise EnvError(f"{KILN_FP8_WEIGHTS}={raw!r}: expected one of {', '.join(FP8_WEIGHTS_MODES)}")
     return raw
+
+
+def allow_longer_context_len() -> bool:
+    return os.environ.get(SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN, "").lower() in ("1", "true")

@@ -3,6 +3,8 @@ layers (which shard by it) and the memory ledger (which sizes by it), so the two
 
 from __future__ import annotations
 
+from kiln.core.layer_kinds import has_linear_attention
+
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     """KV heads one rank holds: its share of them, rounded up, and one replicated head when there are more ranks
@@ -52,6 +54,8 @@ def tp_size_problems(
         problems += _fp8_block_problems(hf_config, dims, tp, max(fp8_block))
     if kv_heads and kv_heads % tp and tp % kv_heads:  # split evenly, or each head replicated on tp / kv ranks
         problems.append(f"num_key_value_heads {kv_heads}")
+    if (tp > 1 or ep > 1) and has_linear_attention(hf_config):  # their conv and recurrent states are whole
+        problems.append("linear-attention layers (Kiln runs them on one rank only)")
     if ep > 1:
         experts = num_routed_experts(hf_config)
         if not experts:

@@ -13,6 +13,7 @@ from kiln.config import ServerArgs
 from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
 from kiln.core.sharding import tp_size_problems
 from kiln.core.units import gib
+from kiln.memory.ledger_states import per_request_slots
 from kiln.memory.ledger_types import Ledger, LedgerInputs
 from kiln.memory.model_shapes import fp8_weight_block, param_counts, weight_bytes
 
@@ -193,8 +194,27 @@ def _tp_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
             return
 
 
+def _state_slots_candidate(inputs: LedgerInputs, moment: str, core: Core) -> Iterator[Candidate]:
+    """A --max-mamba-cache-size that holds no request: the slots the asked-for running requests need (as many of
+    them as fit)."""
+    given, per_request = inputs.max_mamba_cache_size, per_request_slots(inputs)
+    if not given or given >= per_request or moment != "kv_allocation":
+        return
+    wanted = inputs.max_running_requests or 1
+    requests = _largest(
+        1, wanted, lambda r: _fits(core, replace(inputs, max_mamba_cache_size=r * per_request))
+    )
+    if requests:
+        slots = requests * per_request
+        text = f"--max-mamba-cache-size {slots} ({requests} requests x {per_request} slots)"
+        yield Candidate(
+            {"--max-mamba-cache-size": str(slots)}, replace(inputs, max_mamba_cache_size=slots), text
+        )
+
+
 def _device_candidates(inputs: LedgerInputs, ledger: Ledger, core: Core) -> Iterator[Candidate]:
     moment, cuda = ledger.failure.moment, inputs.device.startswith("cuda")
+    yield from _state_slots_candidate(inputs, moment, core)
     if inputs.mem_fraction_static is not None and moment != "load_weights":
         found = _fraction_candidate(inputs, core)
         if found:
@@ -256,11 +276,9 @@ def find_fix(inputs: LedgerInputs, ledger: Ledger, core: Core) -> tuple[str, dic
 
 def _no_fix(inputs: LedgerInputs, ledger: Ledger) -> str:
     need = ledger.weight_bytes + ledger.line("runtime overhead").bytes
-    where = (
-        "a GPU with more memory or more GPUs"
-        if inputs.device.startswith("cuda")
-        else "a machine with more RAM"
-    )
+    splits = any(not tp_size_problems(inputs.hf_config, tp) for tp in (2, 4, 8))
+    gpus = "a GPU with more memory" + (" or more GPUs" if splits else "")
+    where = gpus if inputs.device.startswith("cuda") else "a machine with more RAM"
     linear, other = param_counts(inputs.hf_config, inputs.tp_size)
     q4 = (linear + other) * 0.5625  # ~4.5 bits per parameter with scales
     return (

@@ -16,8 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from kiln.config import check_mem_fraction_static
+from kiln.core import envs
 from kiln.core.dtypes import dtype_bytes
-from kiln.core.units import GIB, gb, gib
+from kiln.core.units import GIB, gb, gib, human
 from kiln.memory.fix_search import find_fix
 from kiln.memory.ledger_states import StatePlan, clamped, given_slots_plan, ratio_plan, size_for_requests
 from kiln.memory.ledger_steps import (
@@ -35,6 +36,7 @@ from kiln.memory.ledger_steps import (
 )
 from kiln.memory.ledger_types import Failure, Ledger, LedgerInputs, LedgerLine
 from kiln.memory.model_shapes import (
+    context_len_of,
     kv_dims,
     kv_layers,
     linear_state,
@@ -160,14 +162,27 @@ def _state_failure(plan: StatePlan | None) -> Failure | None:
         return None
     message = (
         f"the state pool's {plan.slots} slots ({plan.how}) hold no request: each needs {plan.per_request} slots "
-        f"of {gib(plan.state.slot_bytes)}"
+        f"of {human(plan.state.slot_bytes)}"
     )
     return Failure("kv_allocation", message, "")
+
+
+def _check_context_length(inputs: LedgerInputs) -> None:
+    """SGLang's rule: a --context-length past the model's maximum position is refused unless asked for."""
+    model_max = context_len_of(inputs.hf_config)
+    if inputs.context_length is None or inputs.context_length <= model_max or envs.allow_longer_context_len():
+        return
+    raise ValueError(
+        f"--context-length {inputs.context_length} is longer than this model's maximum position {model_max} (its "
+        f"config's max_position_embeddings): positions past it may give wrong outputs; use --context-length "
+        f"{model_max} or less, or set {envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN}=1 to allow it"
+    )
 
 
 def _validate(inputs: LedgerInputs) -> None:
     # ServerArgs checks the fraction already; inputs built directly get the same rule
     check_mem_fraction_static(inputs.mem_fraction_static)
+    _check_context_length(inputs)
     checks = [
         (inputs.tp_size >= 1, "--tp-size must be >= 1"),
         (inputs.available_memory_bytes > 0, "available device memory must be > 0"),

@@ -7,9 +7,10 @@ import math
 from dataclasses import dataclass
 
 from kiln.core.dtypes import dtype_bytes
+from kiln.core.layer_kinds import LINEAR_ATTENTION, layer_types, required
 from kiln.core.sharding import kv_heads_per_rank
 
-_NON_KV_LAYER_TYPES = {"linear_attention", "mamba", "mamba2", "conv", "recurrent"}
+_NON_KV_LAYER_TYPES = {LINEAR_ATTENTION, "mamba", "mamba2", "conv", "recurrent"}
 
 
 def text_config(hf_config: dict) -> dict:
@@ -17,13 +18,6 @@ def text_config(hf_config: dict) -> dict:
     if "num_hidden_layers" not in hf_config and isinstance(hf_config.get("text_config"), dict):
         return hf_config["text_config"]
     return hf_config
-
-
-def required(cfg: dict, key: str) -> int:
-    """An integer the arithmetic cannot do without; a ValueError that names it when the config lacks it."""
-    if cfg.get(key) is None:
-        raise ValueError(f"model config has no {key!r}; is this a decoder LLM config.json?")
-    return int(cfg[key])
 
 
 def is_mla(cfg: dict) -> bool:
@@ -40,19 +34,6 @@ def kv_heads(cfg: dict) -> int:
     return int(cfg.get("num_key_value_heads") or required(cfg, "num_attention_heads"))
 
 
-def layer_types(cfg: dict) -> list[str]:
-    """Each layer's kind: the config's `layer_types`, or Qwen3-Next's pattern of a full-attention layer every
-    `full_attention_interval`-th (transformers' default 4, which its config.json leaves out), else all attention."""
-    types = cfg.get("layer_types")
-    layers = required(cfg, "num_hidden_layers")
-    if isinstance(types, list) and types:
-        return [str(t) for t in types]
-    if cfg.get("model_type") == "qwen3_next" or cfg.get("full_attention_interval"):
-        interval = int(cfg.get("full_attention_interval") or 4)
-        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
-    return ["full_attention"] * layers
-
-
 def kv_layers(cfg: dict) -> int:
     """Layers that keep KV (hybrid models: only the attention layers)."""
     return sum(1 for t in layer_types(cfg) if t not in _NON_KV_LAYER_TYPES)
@@ -60,7 +41,7 @@ def kv_layers(cfg: dict) -> int:
 
 def linear_layers(cfg: dict) -> int:
     """Linear-attention (gated DeltaNet) layers: each keeps a fixed-size state per request instead of KV."""
-    return sum(1 for t in layer_types(cfg) if t == "linear_attention")
+    return sum(1 for t in layer_types(cfg) if t == LINEAR_ATTENTION)
 
 
 # Qwen3-Next keeps the delta rule's recurrent state in float32 whatever the serving dtype (transformers' torch path

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.core.layer_kinds import LINEAR_ATTENTION
+
 # model types transformers does not know that are an architecture it does know under another name: Kimi-K2's
 # config.json names the DeepSeek-V3 architecture with its own model type
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -46,9 +48,6 @@ class MlaDims:
         )
 
 
-LINEAR_LAYER_TYPE = "linear_attention"
-
-
 @dataclass(frozen=True)
 class LinearAttentionSpec:
     """A hybrid model's gated DeltaNet layers (Qwen3-Next): which layers they are and the per-request state each
@@ -64,11 +63,11 @@ class LinearAttentionSpec:
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_LAYER_TYPE)
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
 
     @property
     def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t != LINEAR_LAYER_TYPE)
+        return tuple(i for i, t in enumerate(self.layer_types) if t != LINEAR_ATTENTION)
 
     @property
     def key_dim(self) -> int:
@@ -94,7 +93,7 @@ class LinearAttentionSpec:
     @classmethod
     def from_hf(cls, hf: Any) -> LinearAttentionSpec | None:
         types = tuple(str(t) for t in (getattr(hf, "layer_types", None) or ()))
-        if LINEAR_LAYER_TYPE not in types:
+        if LINEAR_ATTENTION not in types:
             return None
         return cls(
             layer_types=types,

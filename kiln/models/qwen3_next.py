@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode, Pieces
+from kiln.core.layer_kinds import LINEAR_ATTENTION
 from kiln.distributed import ep_size, tp_size
 from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.gated_delta import (
@@ -40,7 +41,7 @@ from kiln.layers.moe import (
     load_expert_weights,
 )
 from kiln.layers.rotary import RotaryEmbedding, check_choice
-from kiln.models.config import LINEAR_LAYER_TYPE, LinearAttentionSpec, ModelConfig
+from kiln.models.config import LinearAttentionSpec, ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 
 
@@ -275,7 +276,7 @@ class Qwen3NextDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         spec, hf = cfg.linear_attention, cfg.hf_config
-        self.is_linear = spec.layer_types[layer_id] == LINEAR_LAYER_TYPE
+        self.is_linear = spec.layer_types[layer_id] == LINEAR_ATTENTION
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg, spec, spec.linear_layers.index(layer_id))
         else:

@@ -17,6 +17,7 @@ import kiln.memory.storage_tier as storage_tier
 import kiln.platform as platform
 from kiln.config import ServerArgs
 from kiln.core.dtypes import kv_cache_dtype_name, kv_torch_dtype, torch_dtype
+from kiln.core.layer_kinds import has_linear_attention
 from kiln.layers.cpu_gemm import set_cpu_gemm
 from kiln.layers.fp8_linear import FIX as FP8_FIX
 from kiln.layers.kernel_builds import build_kernels, kernels_for
@@ -25,7 +26,7 @@ from kiln.memory.kv_pool import copyable
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.memory.model_shapes import fp8_weight_block
+from kiln.memory.model_shapes import context_len_of, fp8_weight_block
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
@@ -105,10 +106,10 @@ def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     )
 
 
-def hybrid_refusal(args: ServerArgs, model_config: ModelConfig) -> str | None:
+def hybrid_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     """What a hybrid linear-attention model cannot be served with yet: its per-request states are not in the host
     tier, and a verify step would advance them past rejected draft tokens."""
-    if model_config.linear_attention is None:
+    if not has_linear_attention(hf_config):
         return None
     if args.enable_hierarchical_cache:
         return (
@@ -363,11 +364,18 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
             f"process is one of {distributed.tp_size()}"
         )
     hf_config = read_hf_config(args.model_path)
-    refusal = tp_refusal(args, hf_config)
+    refusal = tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
     if refusal:
         raise StartupRefused(refusal)
     plan = _checked_plan(args, hf_config)
     ledger, device = plan.ledger, plan.inputs.device
+    if ledger.context_len > context_len_of(
+        hf_config
+    ):  # the ledger refuses it unless SGLang's switch allows it
+        logger.warning(
+            f"--context-length {ledger.context_len} is longer than the model's maximum position "
+            f"{context_len_of(hf_config)}: positions past it may give wrong outputs"
+        )
     if device == "cpu":
         torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))
     model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
@@ -377,9 +385,7 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
         raise StartupRefused(str(e)) from e
     capability = torch.cuda.get_device_capability() if device == "cuda" else None
     kv_dtype = kv_cache_dtype_name(plan.inputs.kv_cache_dtype, plan.inputs.dtype)
-    refusal = hybrid_refusal(args, model_config) or attention_refusal(
-        args, model_config, kv_dtype, capability
-    )
+    refusal = attention_refusal(args, model_config, kv_dtype, capability)
     if refusal:
         raise StartupRefused(refusal)
     if device == "cpu":  # its own phase: a first build compiles for a minute or more
