@@ -387,3 +387,23 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="gpt2"):
         read_gguf_config(str(tmp_path / "x.gguf"))
+
+
+@pytest.mark.parametrize(
+    "keep, says",
+    [
+        (0, "is empty (0 bytes)"),
+        (4096, "the GGUF header is truncated or corrupt"),
+        (20 << 20, "is truncated: tensor"),
+    ],
+    ids=["empty", "header cut", "tensors cut"],
+)
+def test_a_partial_download_is_refused_naming_the_file(model_path: str, tmp_path: Path, keep: int, says: str):
+    """A cut file (a partial download) says so, names itself and the fix: never a struct error from deep inside."""
+    cut = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as f:
+        cut.write_bytes(f.read(keep))
+    with pytest.raises(ValueError) as refused:
+        read_gguf_config(str(cut))
+    message = str(refused.value)
+    assert says in message and str(cut) in message and "download the file again" in message, message

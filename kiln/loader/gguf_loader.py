@@ -122,10 +122,27 @@ def _read_value(cur: _Cursor, vtype: int, key: str, lengths: dict[str, int]) -> 
 
 
 def _read_header(path: str) -> _Header:
+    if os.path.getsize(path) == 0:  # np.memmap's own error would not name the file
+        raise ValueError(f"{path} is empty (0 bytes), not a GGUF file; download the file again")
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(data)
     if bytes(data[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
+    try:
+        header = _parse_header(path, _Cursor(data))
+    except (struct.error, OverflowError, MemoryError) as e:  # a count or length read past the file's end
+        raise ValueError(
+            f"{path}: the GGUF header is truncated or corrupt ({e}); download the file again"
+        ) from e
+    for t in header.tensors:
+        if t.offset + t.nbytes > len(data):
+            raise ValueError(
+                f"{path} is truncated: tensor {t.name!r} ends at byte {t.offset + t.nbytes:,} and the file has "
+                f"{len(data):,} bytes; download the file again"
+            )
+    return header
+
+
+def _parse_header(path: str, cur: _Cursor) -> _Header:
     version, n_tensors, n_kv = cur.unpack("<4xIQQ")
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
