@@ -117,6 +117,24 @@ def test_counters_and_histograms_move_by_what_a_request_did(server):
     assert val(m, "kiln:kv_integrity_violations_total") == 0
 
 
+def test_n_samples_count_as_n_requests_not_their_shared_prefill(server):
+    """n > 1 first prefills the prompt alone (Kiln's own request, which its samples then read from the prefix
+    cache): the client's request is its n samples, and the metrics count those alone."""
+    url = server.url
+    before = scrape(url)
+    body = {"prompt": PROMPT_IDS, "max_tokens": 3, "n": 2, "temperature": 0.8, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+    def delta(m, name, **labels):
+        return val(m, name, **labels) - val(before, name, **labels)
+
+    m = wait_for(url, lambda m: delta(m, "kiln:generation_tokens_total") >= 6)
+    assert delta(m, "kiln:num_requests_total", finish_reason="length") == 2
+    assert delta(m, "kiln:prompt_tokens_total") == 2 * len(PROMPT_IDS)
+    assert delta(m, "kiln:e2e_request_latency_seconds_count") == 2
+
+
 def test_aborts_are_counted_and_gauges_follow_a_running_request(server):
     url = server.url
     before = scrape(url)

@@ -106,6 +106,24 @@ def test_chat_stream_matches_and_reports_usage(client, model, france_chat):
     assert chunks[-1].usage.prompt_tokens == france_chat.usage.prompt_tokens
 
 
+def test_continue_final_message_continues_the_assistant_prefill(server, client, model, default_model):
+    """The last assistant message is continued, as the chat template renders it left open; the answer is the
+    continuation only, the same as a completion of that rendered prompt."""
+    from kiln.text.tokenizer import load_tokenizer
+
+    messages = [{"role": "user", "content": FRANCE}, {"role": "assistant", "content": PROMPT}]
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, extra_body={"continue_final_message": True}, **GREEDY
+    )
+    text = chat.choices[0].message.content
+    assert text and PROMPT not in text
+    rendered = load_tokenizer(default_model).apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=True
+    )["input_ids"]
+    assert chat.usage.prompt_tokens == len(rendered)
+    assert complete(client, model, prompt=rendered, max_tokens=8, **GREEDY).choices[0].text == text
+
+
 def test_ignore_eos_runs_past_eos(client, model, france_chat):
     n = france_chat.usage.completion_tokens + 3
     r = client.chat.completions.create(
@@ -186,6 +204,21 @@ def test_completion_stream_logprobs_cover_every_token(client, model):
     assert "".join(tokens) == ref
 
 
+def test_completion_stream_logprobs_join_into_the_non_stream_ones(client, model):
+    """Each chunk's text_offset counts from the start of the choice's text, so the chunks' logprobs joined are
+    the non-streamed response's, also where a possible stop string holds a token's text back."""
+    kw = dict(prompt="1, 2, 3,", max_tokens=12, logprobs=1, stop=["7, 8"], **GREEDY)
+    full = complete(client, model, **kw).choices[0]
+    chunks = [c.choices[0] for c in complete(client, model, stream=True, **kw) if c.choices]
+    assert any(c.text == "" and c.logprobs.tokens for c in chunks)  # a token whose text was held back
+    assert "".join(c.text for c in chunks) == full.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == full.logprobs.tokens
+    assert [o for c in chunks for o in c.logprobs.text_offset] == full.logprobs.text_offset
+    # the prompt's KV is cached by then: prefilled apart, its logits may differ in the last bits
+    streamed = [v for c in chunks for v in c.logprobs.token_logprobs]
+    assert streamed == pytest.approx(full.logprobs.token_logprobs, abs=1e-3)
+
+
 def test_n_samples_count_the_prompt_once(client, model):
     one = complete(client, model, prompt="Once upon a time", max_tokens=1, **GREEDY)
     r = complete(
@@ -196,6 +229,24 @@ def test_n_samples_count_the_prompt_once(client, model):
     assert r.usage.completion_tokens == 24
     assert all(c.finish_reason == "length" for c in r.choices)
     assert len({c.text for c in r.choices}) > 1  # independent samples
+
+
+SEEDED = dict(prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+
+
+def test_seeded_n_samples_differ_and_reproduce(client, model):
+    """Sample j of a seeded request draws with seed + j: n different samples, the same n again, and sample 0
+    is what n=1 with the seed gives."""
+    first = [c.text for c in complete(client, model, n=3, **SEEDED).choices]
+    assert len(set(first)) > 1
+    assert [c.text for c in complete(client, model, n=3, **SEEDED).choices] == first
+    assert complete(client, model, n=1, **SEEDED).choices[0].text == first[0]
+
+
+def test_seeded_n_samples_differ_on_generate(server):
+    params = {"max_new_tokens": 8, "temperature": 1.0, "n": 3, "sampling_seed": 5, "ignore_eos": True}
+    bodies = generate(server, {"text": "Once upon a time", "sampling_params": params})
+    assert len(bodies) == 3 and len({b["text"] for b in bodies}) > 1
 
 
 def test_seed_reproducible_and_different_seeds_differ(client, model):

@@ -206,6 +206,71 @@ def test_chat_max_tokens_zero_is_not_silently_one(server):
     assert_still_serving(server.url)
 
 
+# OpenAI's fields that cannot change the output: accepted (and ignored), so clients that send them work
+IGNORED_FIELDS = {
+    "user": "u-1",
+    "metadata": {"team": "search"},
+    "store": True,
+    "service_tier": "auto",
+    "prompt_cache_key": "k-1",
+    "safety_identifier": "s-1",
+}
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_fields_that_do_not_change_output_are_accepted(server, path):
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body |= {"prompt": "Hi"} if path == CMPL else {"messages": MSG}
+    plain = post(server.url, path, body)
+    with_fields = post(server.url, path, {**body, **IGNORED_FIELDS})
+    assert plain.status_code == 200 and with_fields.status_code == 200, with_fields.text
+    key = "text" if path == CMPL else "message"
+    assert with_fields.json()["choices"][0][key] == plain.json()["choices"][0][key]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("reasoning_effort", "high"),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("modalities", ["audio"]),
+    ],
+)
+def test_fields_that_would_change_output_are_refused_by_name(server, field, value):
+    resp = post(server.url, CHAT, {"messages": MSG, "max_tokens": 1, field: value})
+    err = check_error(resp, 400, field, f"{field} is not supported by Kiln")
+    assert err["param"] == field
+    assert_still_serving(server.url)
+
+
+def test_image_content_part_is_refused_as_image_input(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    content = [{"type": "text", "text": "What is this?"}, image]
+    resp = post(server.url, CHAT, {"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+    err = check_error(resp, 400, "messages.0.content", "image input is not supported", "text-only")
+    assert err["param"] == "messages.0.content"
+    assert_still_serving(server.url)
+
+
+def test_continue_final_message_needs_an_assistant_message_last(server):
+    resp = post(server.url, CHAT, {"messages": MSG, "max_tokens": 1, "continue_final_message": True})
+    check_error(resp, 400, "continue_final_message", "assistant")
+    assert_still_serving(server.url)
+
+
+def test_chat_template_kwargs_win_over_kilns_own_and_a_clash_is_a_400(server):
+    """vLLM's order: the client's chat_template_kwargs override the options Kiln passes the template (here: no
+    assistant turn opened, so the prompt is shorter); a key the template call cannot take is the client's error."""
+    body = {"messages": MSG, "max_tokens": 1, "temperature": 0}
+    opened = post(server.url, CHAT, body)
+    closed = post(server.url, CHAT, {**body, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert opened.status_code == 200 and closed.status_code == 200, closed.text
+    assert closed.json()["usage"]["prompt_tokens"] < opened.json()["usage"]["prompt_tokens"]
+    clash = post(server.url, CHAT, {**body, "chat_template_kwargs": {"conversation": []}})
+    check_error(clash, 400, "chat_template_kwargs", "conversation")
+    assert_still_serving(server.url)
+
+
 def test_openai_client_sees_the_error_fields(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=60, max_retries=0)
     with pytest.raises(openai.BadRequestError) as bad:

@@ -5,7 +5,7 @@ One plan serves the in-process Engine and the HTTP server alike."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln.sampling_params import InvalidParam, SamplingParams
 
@@ -44,10 +44,25 @@ def fan_out(
 ) -> FanOut:
     """params[i].n samples of prompts[i], named by `rids` in order when given; a warm-up prefill for every
     prompt sampled more than once."""
-    samples = [Sample(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params)) for _ in range(p.n)]
+    samples = [
+        Sample(i, ids, sample_params(p, j))
+        for i, (ids, p) in enumerate(zip(prompts, params))
+        for j in range(p.n)
+    ]
     if rids is not None:
         if len(rids) != len(samples):
             raise InvalidParam("rid", f"got {len(rids)} request ids for {len(samples)} generations")
         samples = [Sample(s.index, s.input_ids, s.params, rid) for s, rid in zip(samples, rids)]
     warm = [ids for ids, p in zip(prompts, params) if p.n > 1]
     return FanOut(warm, samples, min(len(prompts), len(params)))
+
+
+def sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Sample j's params. A seeded prompt's samples would all draw the same tokens from one seed: sample j gets
+    seed + j (vLLM's choice), so that n=1 keeps its seed and the set of n samples is reproducible."""
+    if params.seed is None or j == 0:
+        return params
+    seed = params.seed + j
+    if seed >= 2**64:  # past what a torch.Generator takes: wrap around, as the 64-bit seed would
+        seed -= 2**64
+    return replace(params, seed=seed)

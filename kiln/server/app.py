@@ -164,6 +164,9 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         if first.get("type") == "json_invalid":
             return _err(400, f"malformed JSON body: {first.get('msg', '')}", None)
         param = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":  # pydantic's "Extra inputs are not permitted" says not why
+            message = f"{param} is not supported by Kiln (refused rather than silently ignored)"
+            return _err(400, message, param)
         return _err(
             400,
             f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid"),

@@ -115,16 +115,18 @@ class EngineClient:
         params: SamplingParams,
         rid: str | None = None,
         deadline: float | None = None,
+        observe: bool = True,
     ) -> OutputAccumulator:
         result = OutputAccumulator()
-        async for out in self.generate(input_ids, params, False, rid, deadline):
+        async for out in self.generate(input_ids, params, False, rid, deadline, observe):
             result.add(out)
         assert result.last is not None
         return result
 
     async def prefill_only(self, input_ids: list[int]) -> None:
-        """Compute a prompt's KV once so that n samples share it through the prefix cache."""
-        await self.collect(input_ids, prefill_only_params())
+        """Compute a prompt's KV once so that n samples share it through the prefix cache: Kiln's own request,
+        not a client's, so the metrics count the samples alone."""
+        await self.collect(input_ids, prefill_only_params(), observe=False)
 
     def abort(
         self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by the client"

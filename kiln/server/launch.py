@@ -122,7 +122,8 @@ class Launcher:
             None, load_tokenizer, self.args.model_path, self.args.tokenizer_path, self.args.chat_template
         )
         info = await self._engine_startup()
-        if info is None:
+        if info is None:  # the engine's refusal said why; the tokenizer's own error would only repeat it
+            tokenizer_future.add_done_callback(lambda f: f.cancelled() or f.exception())
             return
         self.state.info = info
         self.state.startup.ledger = info.ledger
@@ -165,8 +166,10 @@ class Launcher:
 
         try:
             result = await asyncio.wait_for(
-                client.collect(
-                    tokenizer.encode(WARMUP_PROMPT), SamplingParams(max_new_tokens=8, temperature=0)
+                client.collect(  # no client's request: the metrics start at the first one
+                    tokenizer.encode(WARMUP_PROMPT),
+                    SamplingParams(max_new_tokens=8, temperature=0),
+                    observe=False,
                 ),
                 timeout=self.args.watchdog_timeout,
             )

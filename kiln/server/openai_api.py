@@ -33,7 +33,7 @@ from kiln.server.responses import (
 )
 from kiln.server.sglang_fields import check_model_name
 from kiln.server.tool_calls import ChatTools, ChoiceReader, template_messages
-from kiln.text.tokenizer import apply_chat_template, longest_token_bytes
+from kiln.text.tokenizer import apply_chat_template, chat_template_options, longest_token_bytes
 
 
 def sse(obj) -> str:
@@ -242,15 +242,19 @@ class OpenAIServing:
         )
 
     async def _completion_stream(self, plan: FanOut, base, req, want_lp, echoes) -> AsyncIterator[str]:
-        lasts = {}
+        lasts, offsets = {}, {}
         async for k, out in self._stream_all(plan):
             text = out.text_delta if echoes is None or k in lasts else echoes[k] + out.text_delta
             lasts[k] = out
+            logprobs = None
+            if want_lp:
+                logprobs = logprobs_completion(self.tokenizer, out.logprobs or [], offsets.get(k, 0))
+                offsets[k] = offsets.get(k, 0) + sum(len(token) for token in logprobs["tokens"])
             choice = {
                 "index": k,
                 "text": text,
                 "finish_reason": finish_name(out) if out.finished else None,
-                "logprobs": logprobs_completion(self.tokenizer, out.logprobs or []) if want_lp else None,
+                "logprobs": logprobs,
             }
             if text or out.finished or (want_lp and out.logprobs):
                 yield sse({**base, "choices": [choice]})
@@ -269,14 +273,24 @@ class OpenAIServing:
             except UnicodeEncodeError as e:
                 raise InvalidParam(f"messages.{i}.content", f"not valid UTF-8 text: {e.reason}") from None
         kwargs = tools.template_kwargs(req.chat_template_kwargs)
+        if req.continue_final_message and msgs[-1]["role"] != "assistant":
+            raise InvalidParam(
+                "continue_final_message",
+                "continue_final_message continues the last message, which must be from the assistant "
+                f"(it is from the {msgs[-1]['role']})",
+            )
         try:
             if self.token_bytes is not None:
-                self._refuse_rendered_beyond_context(msgs, size, kwargs)
-            return apply_chat_template(self.tokenizer, msgs, **kwargs)
+                self._refuse_rendered_beyond_context(msgs, size, kwargs, req.continue_final_message)
+            return apply_chat_template(self.tokenizer, msgs, req.continue_final_message, **kwargs)
         except (ValueError, TemplateError) as e:  # the template's own refusal (raise_exception) included
             raise InvalidParam("messages", str(e)) from None
+        except TypeError as e:  # a chat_template_kwargs key the template call cannot take
+            raise InvalidParam("chat_template_kwargs", str(e)) from None
 
-    def _refuse_rendered_beyond_context(self, msgs: list[dict], size: int, kwargs: dict) -> None:
+    def _refuse_rendered_beyond_context(
+        self, msgs: list[dict], size: int, kwargs: dict, continue_final: bool = False
+    ) -> None:
         """The byte bound on the text the template renders (a template may drop or trim messages, so the
         messages' own bytes prove nothing); rendered only when the messages alone are long enough to matter."""
         fits = min(self.limits.context_len, self.limits.max_total_tokens)
@@ -284,7 +298,8 @@ class OpenAIServing:
             return
         if not getattr(self.tokenizer, "chat_template", None):
             return  # apply_chat_template refuses it with its own message
-        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+        options = chat_template_options(continue_final, **kwargs)
+        text = self.tokenizer.apply_chat_template(msgs, **{**options, "tokenize": False})
         self.refuse_beyond_context(len(str(text).encode("utf-8")), "messages")
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):

@@ -1,10 +1,12 @@
-"""OpenAI-compatible and native request bodies (pydantic). Unknown parameters are refused, never ignored."""
+"""OpenAI-compatible and native request bodies (pydantic). Unknown parameters are refused, never ignored; known
+ones that cannot change the output (user, metadata, ...) are accepted and ignored."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from kiln.sampling_params import InvalidParam, SamplingParams
 
@@ -31,7 +33,14 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
+    # OpenAI's fields that do not change what is generated: accepted and ignored
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    # store: true asks the provider to keep the completion for its dashboard; Kiln keeps nothing, whatever it says
+    store: bool | None = None
+    service_tier: str | None = None  # Kiln has one tier
+    prompt_cache_key: str | None = None  # the radix cache reuses any shared prefix without a routing hint
+    safety_identifier: str | None = None
     # extras
     top_k: int = -1
     min_p: float = 0.0
@@ -109,12 +118,29 @@ class MessageToolCall(BaseModel):
     function: FunctionCall
 
 
+_INPUT_KINDS = {"image_url": "image input", "input_audio": "audio input", "file": "file input"}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # the call a tool message answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part that is not text (an image, audio, a file) is refused as such, not as "not a string"."""
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError(
+                    "unsupported_content",
+                    "{what} is not supported: Kiln serves text-only models, send text content parts only",
+                    {"what": _INPUT_KINDS.get(kind, f"{kind!r} content")},
+                )
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -173,8 +199,8 @@ class ChatCompletionRequest(_SamplingFields):
     # SGLang's: with a reasoning parser, whether reasoning_content is split out, and streamed as it comes
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-    # the router's default (see _SamplingFields)
-    continue_final_message: Literal[False] = False
+    # SGLang's and vLLM's: the model continues the last (assistant) message instead of starting a new one
+    continue_final_message: bool = False
 
 
 class NativeSamplingParams(_Strict):

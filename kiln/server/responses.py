@@ -82,8 +82,10 @@ def _piece(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def logprobs_completion(tokenizer, lps: list[TokenLogprob]) -> dict:
-    tokens, offsets, offset = [], [], 0
+def logprobs_completion(tokenizer, lps: list[TokenLogprob], start: int = 0) -> dict:
+    """Legacy completions' logprobs; a stream's chunk starts at `start`, the length of the tokens' text before
+    it, so that its chunks' text_offset lists join into the whole response's."""
+    tokens, offsets, offset = [], [], start
     for lp in lps:
         piece = _piece(tokenizer, lp.token_id)
         tokens.append(piece)

@@ -25,10 +25,22 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None, chat_temp
     return tok
 
 
-def apply_chat_template(tokenizer, messages: list[dict], **kwargs) -> list[int]:
+def chat_template_options(continue_final_message: bool = False, **kwargs) -> dict:
+    """The chat template's keyword arguments: open the assistant's turn, or with continue_final_message leave the
+    last (assistant) message open for the model to continue (no end of its turn, no new turn). A client's
+    chat_template_kwargs (`kwargs`) come last and win, as in vLLM."""
+    opens_a_turn = not continue_final_message
+    return {"add_generation_prompt": opens_a_turn, "continue_final_message": continue_final_message, **kwargs}
+
+
+def apply_chat_template(
+    tokenizer, messages: list[dict], continue_final_message: bool = False, **kwargs
+) -> list[int]:
+    """The chat's prompt ids (see chat_template_options)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: use /v1/completions or pass --chat-template")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    options = chat_template_options(continue_final_message, **kwargs)
+    ids = tokenizer.apply_chat_template(messages, **{**options, "tokenize": True})
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
