@@ -1,23 +1,74 @@
 """`kiln wait URL`: follow a starting server's phases with a progress bar; exit 0 when ready, 1 with the failed
-phase and reason, 2 on timeout. The replacement for polling logs for "fired up". A kernel build (building_kernels)
-shows what is compiling, whether it is a first build, the seconds elapsed and how long the last build took: a
-compiler reports no progress of its own."""
+phase and reason, 2 on timeout (and, as argparse does, on bad arguments). The replacement for polling logs for
+"fired up". A kernel build (building_kernels) shows what is compiling, whether it is a first build, the seconds
+elapsed and how long the last build took: a compiler reports no progress of its own. When stderr is not a
+terminal (a log file, CI), a line per phase replaces the bar, whose redraws would fill the log."""
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import TextIO
 
 import httpx
 from tqdm import tqdm
 
+from kiln.core.argtypes import positive_float
 from kiln.server.startup import PHASES
+
+# Without a terminal: the most often a phase's changed progress is logged again (its first line is immediate).
+LOG_EVERY_S = 30.0
+
+
+class _Bar:
+    """The progress bar, for a terminal."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.bar = tqdm(total=len(PHASES) - 1, desc="waiting for the server", disable=quiet, unit="phase")
+
+    def show(self, step: int | None, text: str) -> None:
+        if step is not None:
+            self.bar.n = step
+        self.bar.set_description(text, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _Lines:
+    """Progress as log lines: one when the phase (or text without a phase) changes, then at most one per
+    LOG_EVERY_S while its progress text changes, so that a long kernel build shows it is alive in a few
+    lines."""
+
+    def __init__(self, quiet: bool, stream: TextIO) -> None:
+        self.quiet, self.stream = quiet, stream
+        self.key: object = None
+        self.text, self.at = "", 0.0
+
+    def show(self, step: int | None, text: str) -> None:
+        key = step if step is not None else text
+        now = time.monotonic()
+        changed = key != self.key or (text != self.text and now - self.at >= LOG_EVERY_S)
+        if self.quiet or not changed:
+            return
+        where = f"[{step}/{len(PHASES) - 1}] " if step is not None else ""
+        print(f"kiln wait: {where}{text}", file=self.stream, flush=True)
+        self.key, self.text, self.at = key, text, now
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(quiet: bool) -> _Bar | _Lines:
+    stream = sys.stderr
+    return _Bar(quiet) if stream.isatty() else _Lines(quiet, stream)
 
 
 def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -> int:
     url = url.rstrip("/")
     deadline = time.time() + timeout
-    bar = tqdm(total=len(PHASES) - 1, desc="waiting for the server", disable=quiet, unit="phase")
+    bar = _progress(quiet)
     last_phase, misses = None, 0
     # one connection for every poll: polling stays cheap next to a busy startup
     client = httpx.Client(timeout=5)
@@ -32,7 +83,7 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
                     bar.close()
                     print(f"kiln wait: the server went away during phase {last_phase}", file=sys.stderr)
                     return 1
-                bar.set_description("waiting for the server (not answering yet)")
+                bar.show(None, "waiting for the server (not answering yet)")
                 time.sleep(interval)
                 continue
             phase = status.get("phase")
@@ -45,12 +96,9 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
                     file=sys.stderr,
                 )
                 return 1
-            if phase in PHASES:
-                bar.n = PHASES.index(phase)
-            bar.set_description(describe(phase, status.get("progress") or {}))
-            bar.refresh()
-            if phase != last_phase:
-                last_phase = phase
+            step = PHASES.index(phase) if phase in PHASES else None
+            bar.show(step, describe(phase, status.get("progress") or {}))
+            last_phase = phase
             if phase == "ready":
                 bar.close()
                 if not quiet:
@@ -60,7 +108,8 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
     finally:
         bar.close()
         client.close()
-    print(f"kiln wait: {url} not ready after {timeout:.0f} s (last phase: {last_phase})", file=sys.stderr)
+    seen = f"last phase: {last_phase}" if last_phase else "no phase reported yet"
+    print(f"kiln wait: {url} not ready after {timeout:.0f} s ({seen})", file=sys.stderr)
     return 2
 
 
@@ -87,6 +136,6 @@ def _kernel_detail(progress: dict) -> str:
 def register(subparsers) -> None:
     p = subparsers.add_parser("wait", help="wait for a starting server to be ready, showing its phases")
     p.add_argument("url", nargs="?", default="http://127.0.0.1:30000")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds (default 900)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=lambda ns: wait(ns.url, ns.timeout, quiet=ns.quiet))

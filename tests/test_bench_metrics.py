@@ -350,3 +350,28 @@ def test_poisson_arrivals():
     assert a == arrival_offsets(2000, 10.0, 1) and a != arrival_offsets(2000, 10.0, 2)
     assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:], strict=False))
     assert a[-1] / 1999 == pytest.approx(0.1, rel=0.1)  # mean gap 1 / rate
+
+
+def test_latency_blocks_list_percentiles_in_ascending_order():
+    """SGLang's order within each block: Mean, Median, then percentiles from low to high (ITL ends with Max)."""
+    text = format_result(compute_metrics([A, B], 2.0), backend="openai")
+    blocks: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("-"):
+            title = line.strip("-")
+            blocks[title] = []
+        elif line.startswith(("Mean", "Median", "P9", "Max")) and "(ms)" in line:
+            blocks[title].append(line.split(" (ms)")[0])
+    assert blocks["Inter-token Latency"] == [
+        "Mean ITL",
+        "Median ITL",
+        "P90 ITL",
+        "P95 ITL",
+        "P99 ITL",
+        "Max ITL",
+    ]
+    for short, title in (("E2E Latency", "End-to-End Latency"), ("TTFT", "Time to First Token")):
+        assert blocks[title] == [f"Mean {short}", f"Median {short}", f"P90 {short}", f"P99 {short}"]
+    for rows in blocks.values():
+        pcts = [int(r[1:3]) for r in rows if r.startswith("P")]
+        assert pcts == sorted(pcts), rows

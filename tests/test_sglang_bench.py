@@ -213,19 +213,18 @@ def test_chat_template_applies_to_completion_backends_only(tmp_path):
 
 
 def test_eos_is_ignored_unless_disabled():
-    import argparse
+    from kiln.cli import build_parser
 
-    from kiln.bench.cli import _add_serve
+    def parse(*argv: str):
+        return build_parser().parse_args(["bench", "serve", *argv])
 
-    parser = argparse.ArgumentParser()
-    _add_serve(parser.add_subparsers())
-    assert parser.parse_args(["serve"]).ignore_eos is True
-    assert parser.parse_args(["serve", "--ignore-eos"]).ignore_eos is True
-    assert parser.parse_args(["serve", "--disable-ignore-eos"]).ignore_eos is False
+    assert parse().ignore_eos is True
+    assert parse("--ignore-eos").ignore_eos is True
+    assert parse("--disable-ignore-eos").ignore_eos is False
     inp = RequestInput("hi", 1, 4)
     assert build_body("kiln", "", inp, True, {})["sampling_params"]["ignore_eos"] is True
     assert "ignore_eos" not in build_body("openai", "m", inp, False, {})
-    args = parser.parse_args(["serve", "--output-json", "x.jsonl"])
+    args = parse("--output-json", "x.jsonl")
     assert args.output_file == "x.jsonl"  # the old flag name still works
 
 

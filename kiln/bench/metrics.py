@@ -10,6 +10,10 @@ import numpy as np
 # Latency families and the statistics reported for each (all in milliseconds).
 LATENCY_METRICS = ("e2e_latency", "ttft", "tpot", "itl")
 LATENCY_STATS = ("mean", "median", "std", "p90", "p95", "p99", "max")
+# The rows of each latency block of the printed result, in order.
+SECTION_STATS = ("mean", "median", "p90", "p99")
+SECTION_STATS_ITL = ("mean", "median", "p90", "p95", "p99", "max")
+STAT_LABELS = {"mean": "Mean", "median": "Median", "p90": "P90", "p95": "P95", "p99": "P99", "max": "Max"}
 
 
 @dataclass
@@ -174,13 +178,11 @@ def format_result(m: dict, backend: str = "", request_rate: float = math.inf, ma
         ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
         ("Inter-token Latency", "itl", "ITL"),
     )
-    names = {"mean": "Mean", "median": "Median", "p90": "P90", "p99": "P99"}
     for title, key, short in sections:
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-        for stat, label in names.items():
-            lines.append(_row(f"{label} {short} (ms):", m[f"{stat}_{key}_ms"]))
-        if key == "itl":
-            lines.append(_row("P95 ITL (ms):", m["p95_itl_ms"]))
-            lines.append(_row("Max ITL (ms):", m["max_itl_ms"]))
+        # ascending, as SGLang prints them; ITL adds SGLang's P95 and Max lines
+        stats = SECTION_STATS_ITL if key == "itl" else SECTION_STATS
+        for stat in stats:
+            lines.append(_row(f"{STAT_LABELS[stat]} {short} (ms):", m[f"{stat}_{key}_ms"]))
     lines.append("=" * 50)
     return "\n".join(lines)
