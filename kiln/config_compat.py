@@ -117,7 +117,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     # ---- the flags of a common launch line, each with its own sentence
     *_group(
         "Kiln runs no code from the model repository: it serves the architectures it implements (Llama, "
-        "Mistral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3 / Kimi-K2)",
+        "Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, DeepSeek-V3 / Kimi-K2)",
         switches="--trust-remote-code",
     ),
     *_group(
@@ -143,9 +143,14 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ),
     *_group(
         "Kiln does not torch.compile the model on CUDA: it captures CUDA graphs (--cuda-graph-max-bs); on "
-        "the CPU its steps are compiled unless --disable-cuda-graph",
+        "the CPU it compiles its steps only when asked (--cuda-graph-max-bs or --cuda-graph-bs)",
         switches="--enable-torch-compile --enable-torch-compile-debug-mode",
         values="--torch-compile-max-bs",
+    ),
+    *_group(
+        "Kiln's HTTP server (uvicorn) logs warnings and errors only; --log-requests logs the requests",
+        values="--log-level-http",
+        agreeing=("warning",),
     ),
     *_group(
         "Kiln has no request-log levels, formats or targets: --log-requests is its one switch",
@@ -576,7 +581,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         values=(
             "--fastapi-root-path --grpc-port --sidecar --sidecar-args --http2-max-concurrent-streams "
             "--http2-initial-connection-window-size --ssl-keyfile --ssl-certfile --ssl-ca-certs "
-            "--ssl-keyfile-password --admin-api-key --log-level-http "
+            "--ssl-keyfile-password --admin-api-key "
             "--smg-http-sidecar-port|--grpc-http-sidecar-port --grpc-response-timeout-secs"
         ),
         any_lists="--uvicorn-access-log-exclude-prefixes",
@@ -613,8 +618,8 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         ),
     ),
     *_group(
-        "Kiln has no crash dumps, tensor dumps, KV canaries or forward hooks; --startup-events records its "
-        "startup",
+        "Kiln has no crash dumps, tensor dumps, KV canaries, forward hooks or timing marks; its startup phases "
+        "and their times are at /status and in --startup-events",
         switches="--show-time-cost --enable-layerwise-nvtx-marker",
         values=(
             "--crash-dump-folder --debug-tensor-dump-output-folder --debug-tensor-dump-input-file "
@@ -675,8 +680,8 @@ FOREIGN_VALUES: tuple[ForeignValue, ...] = (
     ForeignValue(
         "--grammar-backend",
         ("xgrammar", "outlines"),
-        "Kiln compiles constraints with llguidance, which refuses a schema feature it cannot enforce where these "
-        "apply it silently: it uses llguidance",
+        "Kiln compiles constraints with llguidance only: it refuses a schema feature it cannot enforce (400), "
+        "where these backends may ignore one",
     ),
     ForeignValue(
         "--quantization",
