@@ -143,7 +143,8 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ),
     *_group(
         "Kiln does not torch.compile the model on CUDA: it captures CUDA graphs (--cuda-graph-max-bs); on "
-        "the CPU it compiles its steps only when asked (--cuda-graph-max-bs or --cuda-graph-bs)",
+        "the CPU it compiles its steps only when asked (--cuda-graph-max-bs, --cuda-graph-bs and their -prefill "
+        "forms)",
         switches="--enable-torch-compile --enable-torch-compile-debug-mode",
         values="--torch-compile-max-bs",
     ),

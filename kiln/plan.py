@@ -18,7 +18,8 @@ from kiln.loader.model_config import read_hf_config
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table, format_verdict, ledger_json
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.scheduler.launch import hybrid_refusal, tp_refusal
+from kiln.memory.model_shapes import context_overrun
+from kiln.scheduler.launch import model_refusal
 from kiln.speculative.settings import with_speculation
 
 __all__ = ["add_arguments", "format_refusal", "ledger_for_args", "main", "register", "run"]
@@ -43,10 +44,14 @@ def ledger_for_args(args: ServerArgs) -> Ledger:
     """The ledger `kiln serve` would compute for these arguments. Raises ValueError for unusable ones, as
     `kiln serve` refuses them: a --tp-size that cannot split the model, a flag a hybrid model cannot take."""
     hf_config = read_hf_config(args.model_path)
-    refusal = tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
+    refusal = model_refusal(args, hf_config)
     if refusal is not None:
         raise ValueError(refusal)
-    return compute_ledger(with_speculation(LedgerInputs.from_args(args, hf_config), args))
+    ledger = compute_ledger(with_speculation(LedgerInputs.from_args(args, hf_config), args))
+    overrun = context_overrun(hf_config, args.context_length)
+    if overrun:  # the ledger refused it unless SGLang's switch allows it: serve warns, so does the plan
+        print(f"kiln plan: warning: {overrun}", file=sys.stderr)
+    return ledger
 
 
 def print_foreign_flags(args: ServerArgs) -> None:

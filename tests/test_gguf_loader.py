@@ -407,3 +407,19 @@ def test_a_partial_download_is_refused_naming_the_file(model_path: str, tmp_path
         read_gguf_config(str(cut))
     message = str(refused.value)
     assert says in message and str(cut) in message and "download the file again" in message, message
+
+
+def test_a_corrupt_quantization_type_is_refused_naming_the_file_and_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "x.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"token_embd.weight") + len("token_embd.weight") + 4 + 2 * 8  # past n_dims and two dims
+    data[at : at + 4] = (999).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"x\.gguf: tensor 'token_embd\.weight' has quantization type 999"):
+        read_gguf_config(str(path))

@@ -172,8 +172,7 @@ def test_plan_shows_both_pools(capsys, model_path: str) -> None:
 @pytest.mark.parametrize(
     "flags, refusal",
     [
-        (["--tp-size", "2"], "linear-attention layers (Kiln runs them on one rank only); tensor-parallel sizes "
-         "that work: 1"),
+        (["--tp-size", "2"], "Kiln runs a hybrid linear-attention model on one rank"),
         (["--enable-hierarchical-cache"], "--enable-hierarchical-cache keeps KV only"),
         (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm NGRAM: a hybrid linear-attention"),
         (["--page-size", "16", "--mamba-track-interval", "24"], "--mamba-track-interval 24 must be a multiple of "

@@ -171,6 +171,26 @@ def test_a_context_longer_than_the_model_is_refused_unless_allowed(capsys, model
     assert rc == 0 and "context_len=1024" in out
 
 
+@pytest.mark.parametrize(
+    "rope_scaling, longest",
+    [
+        ({"rope_type": "linear", "factor": 4.0}, 2048),  # positions stretched 4x: 4 x 512
+        (
+            {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64},
+            512,
+        ),  # stretched already
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, 512),
+    ],
+)
+def test_the_models_longest_context_follows_its_rope_scaling_as_sglang_derives_it(
+    capsys, model_dir, rope_scaling, longest
+):
+    argv = ["--model-path", model_dir({**TINY, "rope_scaling": rope_scaling}), "--device", "cpu"]
+    assert run_plan(capsys, [*argv, "--context-length", str(longest)])[0] == 0
+    rc, _, err = run_plan(capsys, [*argv, "--context-length", str(longest + 1)])
+    assert rc == 2 and f"maximum position {longest}" in err
+
+
 def test_bad_model_paths_exit_2(capsys, tmp_path):
     assert run_plan(capsys, ["--model-path", str(tmp_path / "nope")])[0] == 2
     (tmp_path / "config.json").write_text("{not json")

@@ -181,6 +181,14 @@ def test_serve_refuses_more_ranks_before_reading_the_model():
         build_engine(ServerArgs(model_path="/nonexistent", tp_size=2))
 
 
+def test_serve_refuses_a_config_json_that_plan_takes(capsys, model_dir):
+    """A config.json alone is a plan's input; serve says so before any startup work, not at the weight load."""
+    config = str(Path(model_dir(TINY)) / "config.json")
+    assert plan.main(["--model-path", config, "--device", "cpu"]) == 0
+    with pytest.raises(StartupRefused, match="is a config.json, which `kiln plan` plans from"):
+        build_engine(ServerArgs(model_path=config))
+
+
 # ---------------------------------------------------------------- one rule each
 
 

@@ -268,6 +268,11 @@ def test_chat_template_kwargs_win_over_kilns_own_and_a_clash_is_a_400(server):
     assert closed.json()["usage"]["prompt_tokens"] < opened.json()["usage"]["prompt_tokens"]
     clash = post(server.url, CHAT, {**body, "chat_template_kwargs": {"conversation": []}})
     check_error(clash, 400, "chat_template_kwargs", "conversation")
+    # the field's own key there too: the same rule for the last message, no clash with Kiln's
+    continued = {"chat_template_kwargs": {"continue_final_message": True}}
+    prefill = [*MSG, {"role": "assistant", "content": "The answer is"}]
+    assert post(server.url, CHAT, {**body, **continued, "messages": prefill}).status_code == 200
+    check_error(post(server.url, CHAT, {**body, **continued}), 400, "continue_final_message", "assistant")
     assert_still_serving(server.url)
 
 

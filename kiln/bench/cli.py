@@ -12,7 +12,6 @@ from kiln.core.argtypes import (
     fraction,
     json_object,
     key_value,
-    non_negative_float,
     non_negative_int,
     port,
     positive_float,
@@ -197,7 +196,7 @@ def _add_offline(sub: Any) -> None:
     p.add_argument("--max-input-len", type=positive_int, default=1024)
     p.add_argument("--min-output-len", type=positive_int, default=100)
     p.add_argument("--max-output-len", type=positive_int, default=1024)
-    p.add_argument("--temperature", type=non_negative_float, default=0.6)
+    p.add_argument("--temperature", type=bounded(float, 0, 100), default=0.6)  # SamplingParams' range
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_offline)
     p.cross_checks += [

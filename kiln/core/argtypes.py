@@ -37,7 +37,6 @@ def bounded(kind: type, lo: float, hi: float = math.inf, lo_open: bool = False) 
 positive_int = bounded(int, 1)
 non_negative_int = bounded(int, 0)
 positive_float = bounded(float, 0, lo_open=True)  # "inf" is allowed: no limit (e.g. --request-rate)
-non_negative_float = bounded(float, 0)
 fraction = bounded(float, 0, 1)
 port = bounded(int, 1, 65535)
 

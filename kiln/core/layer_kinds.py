@@ -6,6 +6,13 @@ from __future__ import annotations
 LINEAR_ATTENTION = "linear_attention"
 
 
+def text_config(hf_config: dict) -> dict:
+    """The language-model part of a config (multimodal configs nest it under text_config)."""
+    if "num_hidden_layers" not in hf_config and isinstance(hf_config.get("text_config"), dict):
+        return hf_config["text_config"]
+    return hf_config
+
+
 def required(cfg: dict, key: str) -> int:
     """An integer the arithmetic cannot do without; a ValueError that names it when the config lacks it."""
     if cfg.get(key) is None:
@@ -28,4 +35,5 @@ def layer_types(cfg: dict) -> list[str]:
 
 def has_linear_attention(cfg: dict) -> bool:
     """A hybrid model (Qwen3-Next): some layers keep a per-request state instead of KV."""
+    cfg = text_config(cfg)
     return cfg.get("num_hidden_layers") is not None and LINEAR_ATTENTION in layer_types(cfg)

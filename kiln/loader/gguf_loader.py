@@ -121,6 +121,9 @@ def _read_value(cur: _Cursor, vtype: int, key: str, lengths: dict[str, int]) -> 
     return [_read_value(cur, etype, key, {}) for _ in range(count)]
 
 
+_KNOWN_QTYPES = frozenset(int(q) for q in GGMLQuantizationType)
+
+
 def _read_header(path: str) -> _Header:
     if os.path.getsize(path) == 0:  # np.memmap's own error would not name the file
         raise ValueError(f"{path} is empty (0 bytes), not a GGUF file; download the file again")
@@ -128,11 +131,13 @@ def _read_header(path: str) -> _Header:
     if bytes(data[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
     try:
-        header = _parse_header(path, _Cursor(data))
+        header = _parse_header(_Cursor(data))
     except (struct.error, OverflowError, MemoryError) as e:  # a count or length read past the file's end
         raise ValueError(
             f"{path}: the GGUF header is truncated or corrupt ({e}); download the file again"
         ) from e
+    except ValueError as e:  # a version or type code Kiln does not read
+        raise ValueError(f"{path}: {e}") from e
     for t in header.tensors:
         if t.offset + t.nbytes > len(data):
             raise ValueError(
@@ -142,10 +147,10 @@ def _read_header(path: str) -> _Header:
     return header
 
 
-def _parse_header(path: str, cur: _Cursor) -> _Header:
+def _parse_header(cur: _Cursor) -> _Header:
     version, n_tensors, n_kv = cur.unpack("<4xIQQ")
     if version not in (2, 3):
-        raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
     metadata: dict[str, Any] = {}
     lengths: dict[str, int] = {}
     for _ in range(n_kv):
@@ -156,6 +161,11 @@ def _parse_header(path: str, cur: _Cursor) -> _Header:
         name = cur.string()
         dims = cur.unpack_tuple(f"<{cur.unpack('<I')}Q")
         qtype, offset = cur.unpack("<IQ")
+        if qtype not in _KNOWN_QTYPES:
+            raise ValueError(
+                f"tensor {name!r} has quantization type {qtype}, which the gguf package does not know: the file "
+                "is corrupt, or newer than this gguf package (upgrade it)"
+            )
         raw.append((name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset))
     alignment = int(metadata.get("general.alignment", 32))
     data_start = (cur.pos + alignment - 1) // alignment * alignment

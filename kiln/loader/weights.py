@@ -27,9 +27,7 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        json = model_dir.endswith(".json")  # `kiln plan` takes a config.json alone; serving needs the weights
-        hint = ": a config.json alone is for `kiln plan`; serve the model's directory" if json else ""
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}{hint}")
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     bar = tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=len(files) < 2)
     for path in bar:
         with safe_open(path, framework="pt") as f:

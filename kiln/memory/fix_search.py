@@ -206,7 +206,9 @@ def _state_slots_candidate(inputs: LedgerInputs, moment: str, core: Core) -> Ite
     )
     if requests:
         slots = requests * per_request
-        text = f"--max-mamba-cache-size {slots} ({requests} requests x {per_request} slots)"
+        text = (
+            f"--max-mamba-cache-size {slots} ({requests} request{'s' * (requests > 1)} x {per_request} slots)"
+        )
         yield Candidate(
             {"--max-mamba-cache-size": str(slots)}, replace(inputs, max_mamba_cache_size=slots), text
         )

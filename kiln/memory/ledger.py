@@ -37,6 +37,7 @@ from kiln.memory.ledger_steps import (
 from kiln.memory.ledger_types import Failure, Ledger, LedgerInputs, LedgerLine
 from kiln.memory.model_shapes import (
     context_len_of,
+    context_overrun,
     kv_dims,
     kv_layers,
     linear_state,
@@ -168,15 +169,14 @@ def _state_failure(plan: StatePlan | None) -> Failure | None:
 
 
 def _check_context_length(inputs: LedgerInputs) -> None:
-    """SGLang's rule: a --context-length past the model's maximum position is refused unless asked for."""
-    model_max = context_len_of(inputs.hf_config)
-    if inputs.context_length is None or inputs.context_length <= model_max or envs.allow_longer_context_len():
-        return
-    raise ValueError(
-        f"--context-length {inputs.context_length} is longer than this model's maximum position {model_max} (its "
-        f"config's max_position_embeddings): positions past it may give wrong outputs; use --context-length "
-        f"{model_max} or less, or set {envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN}=1 to allow it"
-    )
+    """SGLang's rule: a --context-length past the model's longest context is refused unless asked for."""
+    overrun = context_overrun(inputs.hf_config, inputs.context_length)
+    if overrun and not inputs.allow_longer_context:
+        longest = context_len_of(inputs.hf_config)
+        raise ValueError(
+            f"{overrun}; use --context-length {longest} or less, or set "
+            f"{envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN}=1 to allow it"
+        )
 
 
 def _validate(inputs: LedgerInputs) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import kiln.platform as platform
+from kiln.core import envs
 from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class LedgerInputs:
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     context_length: int | None = None
+    allow_longer_context: bool = False  # SGLang's switch: a --context-length past the model's longest context
     max_running_requests: int | None = None
     chunked_prefill_size: int | None = None
     max_prefill_tokens: int = 16384
@@ -90,6 +92,7 @@ class LedgerInputs:
             mem_fraction_static=args.mem_fraction_static,
             max_total_tokens=args.max_total_tokens,
             context_length=args.context_length,
+            allow_longer_context=envs.allow_longer_context_len(),
             max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.chunked_prefill_size,
             max_prefill_tokens=args.max_prefill_tokens,

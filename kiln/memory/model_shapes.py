@@ -7,17 +7,10 @@ import math
 from dataclasses import dataclass
 
 from kiln.core.dtypes import dtype_bytes
-from kiln.core.layer_kinds import LINEAR_ATTENTION, layer_types, required
+from kiln.core.layer_kinds import LINEAR_ATTENTION, layer_types, required, text_config
 from kiln.core.sharding import kv_heads_per_rank
 
 _NON_KV_LAYER_TYPES = {LINEAR_ATTENTION, "mamba", "mamba2", "conv", "recurrent"}
-
-
-def text_config(hf_config: dict) -> dict:
-    """The language-model part of a config (multimodal configs nest it under text_config)."""
-    if "num_hidden_layers" not in hf_config and isinstance(hf_config.get("text_config"), dict):
-        return hf_config["text_config"]
-    return hf_config
 
 
 def is_mla(cfg: dict) -> bool:
@@ -379,11 +372,31 @@ def weight_inputs(hf_config: dict, tp_size: int, dtype: str, fp8_kept: bool = Fa
 
 
 def context_len_of(hf_config: dict) -> int:
+    """The longest context the model serves: its config's maximum position, stretched by a rope scaling factor
+    as SGLang derives it (not llama3's, nor one naming its original maximum: there the maximum is the stretched
+    one already)."""
     cfg = text_config(hf_config)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")  # the older and newer transformers' names
+    rope = rope if isinstance(rope, dict) else {}
+    stretched = (
+        "original_max_position_embeddings" not in rope and rope.get("rope_type", rope.get("type")) != "llama3"
+    )
+    factor = float(rope.get("factor") or 1) if stretched else 1.0
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
         if cfg.get(key):
-            return int(cfg[key])
+            return int(factor * int(cfg[key]))
     return 2048
+
+
+def context_overrun(hf_config: dict, context_length: int | None) -> str | None:
+    """Why a --context-length is past the model's longest context (context_len_of), or None."""
+    longest = context_len_of(hf_config)
+    if context_length is None or context_length <= longest:
+        return None
+    return (
+        f"--context-length {context_length} is longer than this model's maximum position {longest} (its config's "
+        "max_position_embeddings and rope scaling): positions past it may give wrong outputs"
+    )
 
 
 def prefill_activation(hf_config: dict, tokens: int, tp: int, act_bytes: int, device: str) -> tuple[int, str]:

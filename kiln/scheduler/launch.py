@@ -26,7 +26,7 @@ from kiln.memory.kv_pool import copyable
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.memory.model_shapes import context_len_of, fp8_weight_block
+from kiln.memory.model_shapes import context_overrun, fp8_weight_block
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
@@ -89,9 +89,19 @@ def _agreed(inputs: LedgerInputs) -> LedgerInputs:
     )
 
 
+def model_refusal(args: ServerArgs, hf_config: dict) -> str | None:
+    """What `kiln serve` (and so `kiln plan`) refuses to run this model with, before any memory arithmetic."""
+    return tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
+
+
 def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     """Why --tp-size cannot split this model (a dimension it does not divide, or an FP8 weight block it cuts
     where FP8 weights are kept), naming the sizes that can."""
+    if (args.tp_size > 1 or args.ep_size > 1) and has_linear_attention(hf_config):
+        return (
+            f"--tp-size {args.tp_size} --ep-size {args.ep_size}: Kiln runs a hybrid linear-attention model on one "
+            "rank (its conv and recurrent states are not sharded); serve it with --tp-size 1"
+        )
     device = platform.detect_device() if args.device == "auto" else args.device
     block = fp8_weight_block(hf_config) if platform.fp8_weights_kept(device, args.load_format) else None
     problems = sharding.tp_size_problems(hf_config, args.tp_size, args.ep_size, block)
@@ -363,19 +373,22 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
             f"--tp-size {args.tp_size} runs one process per rank (`kiln serve --tp-size {args.tp_size}`); this "
             f"process is one of {distributed.tp_size()}"
         )
+    if args.model_path.endswith(
+        ".json"
+    ):  # resolve_model_path takes one for planning: its weights are elsewhere
+        raise StartupRefused(
+            f"--model-path {args.model_path} is a config.json, which `kiln plan` plans from; `kiln serve` loads "
+            "weights: give the model's directory"
+        )
     hf_config = read_hf_config(args.model_path)
-    refusal = tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
+    refusal = model_refusal(args, hf_config)
     if refusal:
         raise StartupRefused(refusal)
     plan = _checked_plan(args, hf_config)
     ledger, device = plan.ledger, plan.inputs.device
-    if ledger.context_len > context_len_of(
-        hf_config
-    ):  # the ledger refuses it unless SGLang's switch allows it
-        logger.warning(
-            f"--context-length {ledger.context_len} is longer than the model's maximum position "
-            f"{context_len_of(hf_config)}: positions past it may give wrong outputs"
-        )
+    overrun = context_overrun(hf_config, args.context_length)  # past the ledger: allowed by SGLang's switch
+    if overrun:
+        logger.warning(overrun)
     if device == "cpu":
         torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))
     model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)

@@ -273,7 +273,9 @@ class OpenAIServing:
             except UnicodeEncodeError as e:
                 raise InvalidParam(f"messages.{i}.content", f"not valid UTF-8 text: {e.reason}") from None
         kwargs = tools.template_kwargs(req.chat_template_kwargs)
-        if req.continue_final_message and msgs[-1]["role"] != "assistant":
+        # the field, or the same key in chat_template_kwargs (which wins, as every key there does)
+        continue_final = bool(kwargs.pop("continue_final_message", req.continue_final_message))
+        if continue_final and msgs[-1]["role"] != "assistant":
             raise InvalidParam(
                 "continue_final_message",
                 "continue_final_message continues the last message, which must be from the assistant "
@@ -281,12 +283,13 @@ class OpenAIServing:
             )
         try:
             if self.token_bytes is not None:
-                self._refuse_rendered_beyond_context(msgs, size, kwargs, req.continue_final_message)
-            return apply_chat_template(self.tokenizer, msgs, req.continue_final_message, **kwargs)
+                self._refuse_rendered_beyond_context(msgs, size, kwargs, continue_final)
+            return apply_chat_template(self.tokenizer, msgs, continue_final, **kwargs)
         except (ValueError, TemplateError) as e:  # the template's own refusal (raise_exception) included
             raise InvalidParam("messages", str(e)) from None
-        except TypeError as e:  # a chat_template_kwargs key the template call cannot take
-            raise InvalidParam("chat_template_kwargs", str(e)) from None
+        except TypeError as e:  # a chat_template_kwargs key the call cannot take, or the template's own
+            param = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
+            raise InvalidParam(param, str(e)) from None
 
     def _refuse_rendered_beyond_context(
         self, msgs: list[dict], size: int, kwargs: dict, continue_final: bool = False
