@@ -176,7 +176,13 @@ def test_a_context_longer_than_the_model_is_refused_unless_allowed(capsys, model
     [
         ({"rope_type": "linear", "factor": 4.0}, 2048),  # positions stretched 4x: 4 x 512
         (
-            {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64},
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
             512,
         ),  # stretched already
         ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, 512),
@@ -189,6 +195,21 @@ def test_the_models_longest_context_follows_its_rope_scaling_as_sglang_derives_i
     assert run_plan(capsys, [*argv, "--context-length", str(longest)])[0] == 0
     rc, _, err = run_plan(capsys, [*argv, "--context-length", str(longest + 1)])
     assert rc == 2 and f"maximum position {longest}" in err
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_type (rope_parameters / rope_scaling)",
+        ),
+    ],
+)
+def test_plan_refuses_a_model_serve_would_refuse_to_build(capsys, model_dir, change, refusal):
+    rc, _, err = run_plan(capsys, ["--model-path", model_dir({**TINY, **change}), "--device", "cpu"])
+    assert rc == 2 and refusal in err, err
 
 
 def test_bad_model_paths_exit_2(capsys, tmp_path):

@@ -172,8 +172,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     layer_cls = DeepseekV3DecoderLayer  # type: ignore[assignment]
     stacked_params = STACKED_MLP_PARAMS  # latent attention keeps its projections apart
 
+    check_config = staticmethod(check_config)
+
     def __init__(self, cfg: ModelConfig):
-        check_config(cfg.hf_config)  # refused before any weight is allocated
         super().__init__(cfg)
         # the MTP layers' checkpoint tensors by name, kept for speculative decoding (NEXTN); never run here
         self.mtp_weights: dict[str, torch.Tensor] = {}

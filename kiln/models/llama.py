@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,9 +115,15 @@ class LlamaForCausalLM(nn.Module):
     # the checkpoint's separate projections that load into one merged parameter each
     stacked_params = STACKED_PARAMS
 
+    @staticmethod
+    def check_config(hf_config: Any) -> None:
+        """Refuses, naming the field, a config this model would run as a near miss: called before any weight is
+        allocated, and by `kiln plan` (kiln.models.registry.check_model_config)."""
+        check_rope_type(hf_config)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        check_rope_type(cfg.hf_config)  # refused before any weight is allocated
+        type(self).check_config(cfg.hf_config)
         self.cfg = cfg
         self.model = LlamaModel(cfg, type(self).layer_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)

@@ -17,12 +17,14 @@ from kiln.layers.moe import (
     is_sparse_layer,
     load_expert_weights,
 )
+from kiln.layers.rotary import check_rope_type
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 def check_config(hf_config: Any) -> None:
     """Refuses, naming the field, what transformers' Qwen3-MoE would run and Kiln does not implement."""
+    check_rope_type(hf_config)
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError(
             "model config use_sliding_window true is not implemented by Kiln (every layer attends to the whole "
@@ -43,9 +45,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
 
-    def __init__(self, cfg: ModelConfig):
-        check_config(cfg.hf_config)  # refused before any weight is allocated
-        super().__init__(cfg)
+    check_config = staticmethod(check_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()

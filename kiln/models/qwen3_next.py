@@ -40,7 +40,7 @@ from kiln.layers.moe import (
     is_sparse_layer,
     load_expert_weights,
 )
-from kiln.layers.rotary import RotaryEmbedding, check_choice
+from kiln.layers.rotary import RotaryEmbedding, check_choice, check_rope_type
 from kiln.models.config import LinearAttentionSpec, ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 
@@ -66,6 +66,7 @@ STACKED_PARAMS: list[tuple[str, str, str | int]] = [
 
 def check_config(hf: Any) -> None:
     """Refuses, naming the field or flag, what transformers' Qwen3-Next would run and Kiln does not."""
+    check_rope_type(hf)
     check_choice("hidden_act", getattr(hf, "hidden_act", "silu"), ("silu",))
     if tp_size() > 1 or ep_size() > 1:
         raise ValueError(
@@ -306,8 +307,9 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     # captured decode and prefill steps do not carry; the model runs eagerly
     eager_only = "the linear-attention layers' state updates are not captured"
 
+    check_config = staticmethod(check_config)
+
     def __init__(self, cfg: ModelConfig):
-        check_config(cfg.hf_config)  # refused before any weight is allocated
         if cfg.linear_attention is None:
             raise ValueError("model config: Qwen3-Next without linear_attention layers in layer_types")
         super().__init__(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from kiln.models import deepseek_v3, llama, qwen3_moe, qwen3_next
+from kiln.models.config import ModelConfig
 
 MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": deepseek_v3.DeepseekV3ForCausalLM,  # Kimi-K2's config names it too
@@ -21,3 +22,9 @@ def model_class(architecture: str) -> type[nn.Module]:
     if architecture not in MODELS:
         raise ValueError(f"architecture {architecture!r} is not supported; Kiln serves {sorted(MODELS)}")
     return MODELS[architecture]
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    """What building the model would refuse (an architecture, a config field), without building it: `kiln plan`
+    refuses what `kiln serve` would."""
+    model_class(cfg.architecture).check_config(cfg.hf_config)

@@ -29,6 +29,7 @@ from kiln.memory.ledger_types import Ledger, LedgerInputs
 from kiln.memory.model_shapes import context_overrun, fp8_weight_block
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
+from kiln.models.registry import check_model_config
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.spec_step import SpecDecoder
@@ -90,7 +91,12 @@ def _agreed(inputs: LedgerInputs) -> LedgerInputs:
 
 
 def model_refusal(args: ServerArgs, hf_config: dict) -> str | None:
-    """What `kiln serve` (and so `kiln plan`) refuses to run this model with, before any memory arithmetic."""
+    """What `kiln serve` (and so `kiln plan`) refuses to run this model with, before any memory arithmetic: its
+    architecture or a config field the model would refuse when built, a --tp-size, a flag a hybrid cannot take."""
+    try:
+        check_model_config(ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config))
+    except ValueError as e:
+        return str(e)
     return tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
 
 
