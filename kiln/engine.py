@@ -7,15 +7,17 @@ offline batches.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any
 
 from kiln.config import ServerArgs
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import InvalidParam, SamplingParams
 from kiln.scheduler.fanout import fan_out, prefill_only_params
 from kiln.scheduler.io import AbortReq, GenerateReq, OutputAccumulator
 from kiln.scheduler.launch import build_engine
+from kiln.scheduler.validate import validate_request
 
 _ids = itertools.count()
 
@@ -79,7 +81,11 @@ class Engine:
             ids_list = [input_ids] if single else list(input_ids or [])
         sp = sampling_params or {}
         sps = sp if isinstance(sp, list) else [sp] * len(ids_list)
-        params = [SamplingParams(**p).normalize() for p in sps]
+        params = [_sampling_params(p) for p in sps]
+        for ids, p in zip(
+            ids_list, params
+        ):  # raised to the caller, as SGLang's Engine does, not an abort result
+            validate_request(ids, p, self.scheduler.limits)
         plan = fan_out(ids_list, params)
         if plan.warm:
             self._run([GenerateReq(f"warm-{next(_ids)}", ids, prefill_only_params()) for ids in plan.warm])
@@ -101,3 +107,12 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.close()  # the step in flight and the forward thread (overlap)
         self.scheduler = None  # type: ignore[assignment]
+
+
+def _sampling_params(given: dict) -> SamplingParams:
+    """A request's sampling params; a key SamplingParams does not have is refused by its name."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise InvalidParam(unknown[0], f"{unknown[0]!r} is not a sampling parameter")
+    return SamplingParams(**given).normalize()

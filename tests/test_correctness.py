@@ -283,6 +283,24 @@ def test_each_prompt_alone(engines: Engines, ref: Reference) -> None:
     assert_same(outs, ref.prompts, "alone")
 
 
+def test_bad_sampling_params_raise_naming_the_key(engines: Engines) -> None:
+    """The Engine raises, as SGLang's does, rather than returning an empty text with an abort reason."""
+    from kiln.sampling_params import InvalidParam
+
+    eng = engines.get()
+    for params, key in [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"bogus": 1}, "bogus"),
+    ]:
+        with pytest.raises(InvalidParam) as bad:
+            eng.generate(input_ids=[1, 2, 3], sampling_params=params)
+        assert bad.value.param == key
+    with pytest.raises(InvalidParam, match="got 2 sampling params for 3 prompts"):
+        eng.generate(input_ids=[[1, 2], [3, 4], [5, 6]], sampling_params=[{"max_new_tokens": 1}] * 2)
+    assert_idle(eng)
+
+
 def test_all_batched(engines: Engines, ref: Reference) -> None:
     eng = engines.get()
     calls = spy_forward(eng)

@@ -426,3 +426,15 @@ def test_random_workloads_finish_correctly(lens, pool, ps, chunk, radix, policy,
         f = final(outs[rid])
         assert f.finish_reason["type"] == "length", f
         assert ids(outs[rid]) == w
+
+
+def test_every_prompt_needs_its_sampling_params():
+    """kiln.Engine.generate(["a", "b", "c"], [p, p]) ran two prompts and returned two results: zip dropped the
+    third. A list of params is one per prompt, as in SGLang."""
+    from kiln.sampling_params import InvalidParam
+    from kiln.scheduler.fanout import fan_out
+
+    p = SamplingParams(max_new_tokens=2)
+    with pytest.raises(InvalidParam, match="got 2 sampling params for 3 prompts"):
+        fan_out([[1], [2], [3]], [p, p])
+    assert len(fan_out([[1], [2]], [p, p]).samples) == 2

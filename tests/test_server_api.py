@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -247,6 +248,41 @@ def test_seeded_n_samples_differ_on_generate(server):
     params = {"max_new_tokens": 8, "temperature": 1.0, "n": 3, "sampling_seed": 5, "ignore_eos": True}
     bodies = generate(server, {"text": "Once upon a time", "sampling_params": params})
     assert len(bodies) == 3 and len({b["text"] for b in bodies}) > 1
+
+
+def test_a_rid_given_twice_in_one_batch_is_a_400_not_a_hang(server):
+    body = {
+        "text": ["Hello", "Paris is"],
+        "rid": ["twice", "twice"],
+        "sampling_params": {"max_new_tokens": 2},
+    }
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+    assert "'twice' is given to more than one generation" in r.json()["error"]["message"]
+
+
+def test_a_clients_rid_aborts_all_its_samples(server):
+    """n > 1 runs as rid-0, rid-1, ...: aborting the rid the client gave stops them all (as SGLang does)."""
+    rid = f"many-{uuid.uuid4().hex[:8]}"
+    params = {"max_new_tokens": 2000, "n": 2, "ignore_eos": True, "temperature": 0.5}
+    body = {"text": "Story:", "rid": rid, "sampling_params": params, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        seen: set[int] = set()
+        for line in lines:  # both samples running: each has streamed a chunk
+            if line.startswith("data: {"):
+                seen.add(json.loads(line[6:])["index"])
+            if len(seen) == 2:
+                break
+        assert httpx.post(f"{server.url}/abort_request", json={"rid": rid}, timeout=30).status_code == 200
+        finals = {}
+        for line in lines:
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["meta_info"]["finish_reason"]:
+                    finals[chunk["index"]] = chunk["meta_info"]
+    assert {i: m["finish_reason"]["type"] for i, m in finals.items()} == {0: "abort", 1: "abort"}, finals
+    assert all(m["completion_tokens"] < 2000 for m in finals.values())
 
 
 def test_seed_reproducible_and_different_seeds_differ(client, model):

@@ -109,24 +109,44 @@ def test_tools_and_calls_reach_the_template(client, tool_server, tiny_llama):
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens
 
 
-def test_named_tool_choice_gives_tool_calls(client, tiny_llama):
-    """The grammar holds the random-weight model to the call's schema; its whitespace tokens are banned (the
-    schema allows whitespace between tokens, where a random model could spend every token)."""
+def _no_blanks(tiny_llama: str) -> dict[str, int]:
+    """A logit bias banning whitespace tokens: a call's schema allows whitespace between tokens, where a random
+    model could spend every token."""
     from kiln.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llama)
-    blank = [i for i in range(len(tokenizer)) if (text := tokenizer.decode([i])) and not text.strip()]
+    return {
+        str(i): -100 for i in range(len(tokenizer)) if (text := tokenizer.decode([i])) and not text.strip()
+    }
+
+
+def _named_call(client, tiny_llama, tools: list[dict], name: str) -> dict:
     model = client.models.list().data[0].id
-    body = dict(
+    return dict(
         model=model,
         messages=MESSAGES,
-        tools=[WEATHER, CLOCK],
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": name}},
         parallel_tool_calls=False,
         max_tokens=60,
         temperature=0,
-        logit_bias={str(i): -100 for i in blank},
+        logit_bias=_no_blanks(tiny_llama),
     )
+
+
+def test_a_tool_without_parameters_is_called_with_none(client, tiny_llama):
+    """OpenAI's tool without `parameters` takes none: the grammar closes its arguments to {} (an open object let
+    the model invent some and run out of tokens)."""
+    ping = {"type": "function", "function": {"name": "ping", "description": "Takes no arguments."}}
+    choice = client.chat.completions.create(**_named_call(client, tiny_llama, [ping], "ping")).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "ping" and json.loads(call.function.arguments) == {}
+
+
+def test_named_tool_choice_gives_tool_calls(client, tiny_llama):
+    """The grammar holds the random-weight model to the call's schema (its whitespace tokens banned)."""
+    body = _named_call(client, tiny_llama, [WEATHER, CLOCK], "get_time")
     response = client.chat.completions.create(**body)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls", choice

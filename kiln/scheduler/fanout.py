@@ -4,6 +4,7 @@ One plan serves the in-process Engine and the HTTP server alike."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -44,6 +45,8 @@ def fan_out(
 ) -> FanOut:
     """params[i].n samples of prompts[i], named by `rids` in order when given; a warm-up prefill for every
     prompt sampled more than once."""
+    if len(params) != len(prompts):  # zip would drop the prompts without params
+        raise InvalidParam("sampling_params", f"got {len(params)} sampling params for {len(prompts)} prompts")
     samples = [
         Sample(i, ids, sample_params(p, j))
         for i, (ids, p) in enumerate(zip(prompts, params))
@@ -52,9 +55,12 @@ def fan_out(
     if rids is not None:
         if len(rids) != len(samples):
             raise InvalidParam("rid", f"got {len(rids)} request ids for {len(samples)} generations")
+        repeated = [rid for rid, count in Counter(rids).items() if count > 1]
+        if repeated:  # one rid, two generations: their outputs could not be told apart
+            raise InvalidParam("rid", f"request id {repeated[0]!r} is given to more than one generation")
         samples = [Sample(s.index, s.input_ids, s.params, rid) for s, rid in zip(samples, rids)]
     warm = [ids for ids, p in zip(prompts, params) if p.n > 1]
-    return FanOut(warm, samples, min(len(prompts), len(params)))
+    return FanOut(warm, samples, len(prompts))
 
 
 def sample_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -200,13 +200,13 @@ class Scheduler(OverlapSchedule):
 
     def abort(self, msg: AbortReq) -> None:
         self.drain()
-        targets = (
-            list(self.reqs.values())
-            if msg.abort_all
-            else [self.reqs[msg.rid]]
-            if msg.rid in self.reqs
-            else []
-        )
+        # a client's rid names all its generations: n > 1 runs them as rid-0, rid-1, ... (SGLang aborts every
+        # rid the given one begins; the suffix keeps "r1" from aborting "r10")
+        targets = [
+            req
+            for rid, req in self.reqs.items()
+            if msg.abort_all or rid == msg.rid or (msg.rid is not None and rid.startswith(f"{msg.rid}-"))
+        ]
         for req in targets:
             self._finish_abort(req, msg.message)
 

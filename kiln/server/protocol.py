@@ -163,11 +163,21 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 class FunctionDefinition(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema
+    # a JSON schema; none given is OpenAI's empty parameter list: an empty object, closed (an open one would let a
+    # constrained call invent arguments), and one the chat template can render
+    parameters: dict[str, Any] = Field(default_factory=lambda: dict(NO_PARAMETERS))
     strict: bool | None = None
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _none_is_no_parameters(cls, value: Any) -> Any:
+        return dict(NO_PARAMETERS) if value is None else value
 
 
 class Tool(_Strict):

@@ -132,7 +132,7 @@ def constraint_schema(tools: list[Tool], choice: str | NamedToolChoice, parallel
 def _call_schema(tool: Tool) -> dict:
     """SGLang's, and closed: an object with only these two keys, so that every output the grammar allows is
     read back as calls (without "type", an item could be any JSON value)."""
-    parameters = tool.function.parameters or {"type": "object", "properties": {}}
+    parameters = tool.function.parameters
     return {
         "type": "object",
         "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
@@ -145,7 +145,7 @@ def _shared_definitions(tools: list[Tool]) -> dict:
     """The tools' $defs, hoisted to the schema's root where their "#/$defs/..." references point."""
     found: dict[str, Any] = {}
     for tool in tools:
-        for name, schema in ((tool.function.parameters or {}).get("$defs") or {}).items():
+        for name, schema in (tool.function.parameters.get("$defs") or {}).items():
             if found.setdefault(name, schema) != schema:
                 raise InvalidParam(
                     "tools", f"tools define $defs {name!r} differently: give each its own name"
