@@ -65,6 +65,16 @@ def _progress(quiet: bool) -> _Bar | _Lines:
     return _Bar(quiet) if stream.isatty() else _Lines(quiet, stream)
 
 
+def _status(client: httpx.Client, url: str) -> dict:
+    """Kiln's /status; in front of --dp-size replicas (sglang-router, which has no /status) the router's /health:
+    ready or not, without phases."""
+    r = client.get(f"{url}/status")
+    if r.status_code != 404:
+        return r.json()
+    ready = client.get(f"{url}/health").status_code == 200
+    return {"phase": "ready" if ready else "waiting for the router's workers"}
+
+
 def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -> int:
     url = url.rstrip("/")
     deadline = time.time() + timeout
@@ -75,7 +85,7 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
     try:
         while time.time() < deadline:
             try:
-                status = client.get(f"{url}/status").json()
+                status = _status(client, url)
                 misses = 0
             except (httpx.HTTPError, ValueError):
                 misses += 1

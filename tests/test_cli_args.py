@@ -238,3 +238,36 @@ def test_wait_timeout_names_the_last_phase(status_server, capsys):
     _, url = status_server([{"phase": "loading_weights"}])
     assert kiln_wait.wait(url, timeout=0.3, interval=0.05) == 2
     assert "(last phase: loading_weights)" in capsys.readouterr().err
+
+
+def test_wait_reads_a_routers_health_where_there_is_no_status(capsys):
+    """`kiln serve --dp-size N` answers through sglang-router, which has /health but no /status: ready is its
+    /health's 200 (it waited forever, counting 404s as "not answering")."""
+    polls = {"health": 0}
+
+    class Router(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                polls["health"] += 1
+            code = (
+                200
+                if self.path == "/health" and polls["health"] > 2
+                else 404
+                if self.path == "/status"
+                else 503
+            )
+            self.send_response(code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        assert kiln_wait.wait(f"http://127.0.0.1:{srv.server_address[1]}", timeout=20, interval=0.01) == 0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert polls["health"] == 3 and "is ready" in capsys.readouterr().out

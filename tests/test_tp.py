@@ -12,6 +12,7 @@ its last bits; these models' greedy tokens have clear winners and come out ident
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -280,6 +281,34 @@ def test_two_nodes_on_loopback(tiny_llama, tmp_path):
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_an_engine_stalled_while_serving_ends_the_server_and_fails_its_requests(tiny_llama, tmp_path):
+    """One rank, stopped mid-stream (SIGSTOP): the watchdog ends the server as it does with several ranks, and the
+    request in flight gets an error event instead of a stream that just stops."""
+    srv = ServerProcess(
+        ["--model-path", tiny_llama, *COMMON, "--watchdog-timeout", "6"], tmp_path / "serve.log"
+    )
+    srv.wait_ready()
+    [engine] = engine_children(srv.proc, 1)
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    events = []
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 2:
+                    engine.suspend()
+    finally:
+        code = srv.proc.wait(60)
+        with contextlib.suppress(psutil.NoSuchProcess):  # reaped by the server as it ended
+            engine.resume()
+    assert any('"error"' in e for e in events), events[-3:]
+    failure = next(line for line in srv.log_text().splitlines() if "Kiln failed" in line)
+    assert code != 0 and "the engine loop made no progress in phase serving" in failure, failure
+    assert_gone([engine])
+    srv.stop()
 
 
 # ------------------------------------------------------------------------------------------------ SIGTERM

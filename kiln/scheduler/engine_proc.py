@@ -142,8 +142,9 @@ def engine_main(
 
         _join_group(args, spec)
         parts = build_engine(args, on_phase=reporter)
-        if args.tp_size > 1:  # from here a rank waits on the others: its silence is theirs
-            status_queue.put(RankReady(spec.rank))
+        # from here its loop's beat is watched (--watchdog-timeout); with several ranks, a rank that waits on the
+        # others is silent because of them
+        status_queue.put(RankReady(spec.rank))
         info = server_info(parts)
     except Exception as e:
         logger.error(f"engine startup failed: {e}")

@@ -26,6 +26,7 @@ from kiln.scheduler.io import (
     ReqOutput,
     SchedulerStats,
 )
+from kiln.scheduler.output import OutputProcessor
 
 logger = logging.getLogger("kiln")
 
@@ -68,6 +69,12 @@ class EngineClient:
     @property
     def num_active(self) -> int:
         return len(self.queues)
+
+    def fail_all(self, reason: str) -> None:
+        """The engine died or stalled: every request in flight ends now with `reason` as its engine error (a 500
+        with an error id, an error event on a stream), rather than waiting on outputs that will not come."""
+        for rid, q in self.queues.items():
+            q.put_nowait(OutputProcessor.error_output(rid, 0, reason))
 
     async def generate(
         self,

@@ -180,7 +180,7 @@ class Launcher:
             if stalled is not None:
                 rank, silent = stalled
                 self.die(
-                    f"rank {rank}: the engine loop made no progress in phase serving for {silent:.0f} s "
+                    f"{self.ranks.name(rank)}the engine loop made no progress in phase serving for {silent:.0f} s "
                     "(--watchdog-timeout), so the warm-up request timed out"
                 )
             else:
@@ -212,9 +212,11 @@ class Launcher:
             stalled = self.ranks.stalled_rank(self.args.watchdog_timeout)
             if stalled is not None and not self.state.shutting_down:
                 rank, silent = stalled
-                self.state.stalled = f"rank {rank} has not turned its loop for {silent:.0f} s"
+                self.state.stalled = (
+                    f"{self.ranks.name(rank)}the engine loop has not turned for {silent:.0f} s"
+                )
                 self.die(
-                    f"rank {rank}: the engine loop made no progress in phase serving for {silent:.0f} s "
+                    f"{self.ranks.name(rank)}the engine loop made no progress in phase serving for {silent:.0f} s "
                     "(--watchdog-timeout)"
                 )
                 return
@@ -261,6 +263,8 @@ class Launcher:
             return
         logger.error(f"Kiln failed: {reason}" + (f" ({hint})" if hint else ""))
         self.state.startup.fail(reason, hint)
+        if self.state.client is not None:
+            self.state.client.fail_all(reason)
         self.exit_code = 1
         if self.server is not None:  # keep /status answering briefly so `kiln wait` can read the reason
             if self.server.loop is not None:

@@ -42,7 +42,7 @@ class RankProcesses:
         status_q = ctx.Queue()
         init_method = f"tcp://{self.args.dist_init_addr or f'127.0.0.1:{_free_port()}'}"
         for local_rank, rank in enumerate(self.local):
-            beat = ctx.RawValue("d", time.time()) if self.args.tp_size > 1 else None
+            beat = ctx.RawValue("d", time.time())
             self.beats[rank] = beat
             spec = RankSpec(rank, local_rank, len(self.local), init_method, beat)
             self.procs[rank] = ctx.Process(
@@ -83,8 +83,8 @@ class RankProcesses:
         return rank, self.phases[rank], time.time() - self.last_event[rank]
 
     def stalled_rank(self, limit: float) -> tuple[int, float] | None:
-        """With several ranks: the rank whose loop stopped turning first, when that was over limit seconds ago."""
-        if self.args.tp_size == 1 or len(self.ready) < len(self.local):  # beats start once all are built
+        """The rank whose loop stopped turning first, when that was over limit seconds ago."""
+        if len(self.ready) < len(self.local):  # beats start once all are built
             return None
         rank = min(self.local, key=lambda r: self.beats[r].value)
         silent = time.time() - self.beats[rank].value
