@@ -163,3 +163,28 @@ def test_named_tool_choice_gives_tool_calls(client, tiny_llama):
             entry["arguments"] += delta.function.arguments or ""
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_time", call.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def _read_stream(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, ["", ""])
+                entry[0] += delta.function.name or ""
+                entry[1] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(c) for c in calls.values()], finish
+
+
+def test_a_call_cut_by_max_tokens_reads_the_same_whole_and_streamed(client, tiny_llama):
+    """max_tokens ends the output inside the call: the call stands with the arguments written so far (OpenAI's
+    cut call, finish_reason "length"), whole as streamed; the stream repeated the call's markup as content."""
+    body = {**_named_call(client, tiny_llama, [WEATHER, CLOCK], "get_weather"), "max_tokens": 12}
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason == "length", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"')
+    whole = (choice.message.content or "", [(call.function.name, call.function.arguments)], "length")
+    assert _read_stream(client.chat.completions.create(**body, stream=True)) == whole

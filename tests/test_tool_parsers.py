@@ -87,14 +87,45 @@ MALFORMED = [
     ("qwen25", qwen("unknown_tool", "{}")),
     # arguments not an object
     ("qwen25", qwen("search", '"q=1"')),
-    # cut short by the end of the output
-    ("qwen25", '<tool_call>\n{"name": "search", "arguments": {"q": 1}}'),
+    # cut short by the end of the output before the call's name was whole
+    ("qwen25", '<tool_call>\n{"name": "sea'),
     # JSON, but no call
     ("llama3", '{"answer": 42}'),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": Paris}}]'),
     ("deepseekv3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\nnot json"),
     ("kimi_k2", kimi([("search", "{}")]).replace(":0", "")),
-    (CONSTRAINED, '[{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    (CONSTRAINED, '[{"name": "get_wea'),
+]
+
+# outputs that max_tokens cut inside a call whose name was whole: the call stands with the arguments so far, as
+# OpenAI's API gives a cut call (and as they streamed)
+CUT_SHORT = [
+    (
+        "qwen25",
+        'Hi <tool_call>\n{"name": "search", "arguments": {"q": 1}}',
+        "Hi",
+        [ToolCall("search", '{"q": 1}')],
+    ),
+    (
+        "qwen25",
+        '<tool_call>\n{"name": "search", "arguments": {"q": "ki',
+        "",
+        [ToolCall("search", '{"q": "ki')],
+    ),
+    (
+        CONSTRAINED,
+        '[{"name": "get_weather", "parameters": {"city": "Par',
+        "",
+        [ToolCall("get_weather", '{"city": "Par')],
+    ),
+    (CONSTRAINED, '[{"name": "get_weather", "parameters"', "", [ToolCall("get_weather", "")]),
+    (CONSTRAINED, f'[{call_object("search", QUERY, "parameters")}, {{"name": "get_w', "", [SEARCH]),
+    (
+        "llama3",
+        'Sure. <|python_tag|>{"name": "search", "parameters": {"q',
+        "Sure.",
+        [ToolCall("search", '{"q')],
+    ),
 ]
 
 
@@ -144,6 +175,14 @@ def test_malformed_streamed_ends_as_text(parser, text):
     content, calls, _ = stream(parser, text, 3)
     if not calls:  # a call whose name streamed before its markup broke cannot be taken back (as in SGLang)
         assert content == text
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CUT_SHORT)
+@pytest.mark.parametrize("size", [1, 3, 10_000])
+def test_a_call_cut_short_stands_whole_and_streamed(parser, text, content, calls, size):
+    parsed = parse_tool_calls(parser, text, TOOLS)
+    assert (parsed.content, list(parsed.calls)) == (content, calls)
+    assert stream(parser, text, size)[:2] == (content, calls)
 
 
 def test_partial_marker_is_held_back_until_it_resolves():

@@ -2,9 +2,12 @@
 one so that streamed deltas always add up to what the whole output parses to.
 
 A region of call markup that reads whole becomes calls, and the whitespace around it is dropped; one that can
-never read whole (malformed, an undeclared name, cut short by the end of the output) stays in the content as the
-text it is. While streaming, a region still arriving is held back, as are a trailing prefix of a marker and
-trailing whitespace (it is dropped if a call follows): so content sent is never taken back."""
+never read whole (malformed, an undeclared name) stays in the content as the text it is. A region the output ends
+inside (max_tokens cut it) keeps the calls whose names were whole, with the arguments written so far, as OpenAI's
+API gives a cut call (finish_reason "length" tells): they had streamed already, so the whole parse and the stream
+agree; a region cut before any name is content. While streaming, a region still arriving is held back, as are a
+trailing prefix of a marker and trailing whitespace (it is dropped if a call follows): so content sent is never
+taken back."""
 
 from __future__ import annotations
 
@@ -60,23 +63,34 @@ def scan(
         cursor, drafts = Cursor(text, begin, final), []
         try:
             fmt.read_region(cursor, names, drafts)
-        except Incomplete:
-            if final:  # cut short by the end of the output: never a call
+        except (Incomplete, Malformed) as error:
+            held = drafts if isinstance(error, Incomplete) else None  # still arriving, while streaming
+            cut = _cut_short(fmt, text, begin, names) if final else held
+            if cut is None:
                 pieces.append(before + text[begin])
                 pos, after_call = begin + 1, False
                 continue
             pieces.append(before.rstrip())
-            calls.extend(_call_drafts(text, drafts))
+            calls.extend(_call_drafts(text, cut))
             break
-        except Malformed:
-            pieces.append(before + text[begin])
-            pos, after_call = begin + 1, False
-            continue
         pieces.append(before.rstrip())
         calls.extend(_call_drafts(text, drafts))
         pos, after_call = cursor.pos, True
         checkpoint = Checkpoint(pos, True, "".join(pieces), tuple(calls))
     return Scan("".join(pieces), tuple(calls), checkpoint)
+
+
+def _cut_short(fmt: ToolCallFormat, text: str, begin: int, names: frozenset[str]) -> list[Draft] | None:
+    """The calls of a region the whole output ends inside, as the stream read them (its cursor waits for more
+    where a final one finds a literal missing): those whose names were whole; None where there are none."""
+    drafts: list[Draft] = []
+    try:
+        fmt.read_region(Cursor(text, begin), names, drafts)
+    except Incomplete:
+        return [draft for draft in drafts if draft.name is not None] or None
+    except Malformed:
+        pass
+    return None
 
 
 def _plain_tail(fmt: ToolCallFormat, tail: str, after_call: bool, final: bool) -> tuple[int, str]:
