@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.sampling_params import InvalidParam, SamplingParams
+from kiln.server.constraints import check_tool_parameters
 from kiln.server.protocol import ChatCompletionRequest
 from kiln.server.tool_calls import ChatTools, template_messages
 from kiln.text.reasoning_parsers import ReasoningStream, reasoning_format, split_reasoning
@@ -221,6 +222,40 @@ def test_tool_choice_refusals(body, param):
     with pytest.raises(InvalidParam) as refused:
         ChatTools.of(chat(**body), "qwen25", None)
     assert refused.value.param == param
+
+
+def _tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "objec"},
+        {"type": "array", "items": {}},
+        {"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}},
+        {"type": "object", "required": "a"},
+        {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+    ],
+)
+def test_tool_parameters_that_are_no_object_schema_are_refused(parameters):
+    with pytest.raises(InvalidParam) as refused:
+        check_tool_parameters(chat(tools=[CLOCK_TOOL, _tool(parameters)]).tools)
+    assert refused.value.param == "tools.1.function.parameters"
+
+
+def test_tool_parameters_the_grammar_cannot_enforce_pass_under_auto():
+    # valid JSON Schema that llguidance does not implement: a template renders it; required would refuse it
+    unenforceable = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+    check_tool_parameters(chat(tools=[_tool(unenforceable), _tool({"properties": {}})]).tools)
+
+
+def test_constrained_arguments_are_an_object_when_the_schema_names_no_type():
+    tools = ChatTools.of(chat(tools=[_tool({"properties": {"a": {}}})], tool_choice="required"), None, None)
+    params = SamplingParams()
+    tools.constrain(params)
+    [item] = json.loads(params.json_schema)["items"]["anyOf"]
+    assert item["properties"]["parameters"] == {"type": "object", "properties": {"a": {}}}
 
 
 def test_strict_tools_are_enforced_when_required():

@@ -139,6 +139,25 @@ CASES = {
         400,
         ("logit_bias", "sampling_params.logit_bias"),
     ),
+    # a tool's parameters that are no JSON schema of an object, under tool_choice auto too (as OpenAI's API)
+    "tool-parameters-bad-type": (
+        CHAT,
+        {
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}],
+        },
+        400,
+        "tools.0.function.parameters",
+    ),
+    "tool-parameters-not-an-object": (
+        CHAT,
+        {
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+        },
+        400,
+        "tools.0.function.parameters",
+    ),
 }
 
 

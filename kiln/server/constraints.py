@@ -11,7 +11,7 @@ from prometheus_client.core import HistogramMetricFamily
 
 from kiln.sampling_params import InvalidParam, SamplingParams
 from kiln.scheduler.io import SchedulerStats
-from kiln.server.protocol import ResponseFormat
+from kiln.server.protocol import ResponseFormat, Tool
 from kiln.structured.backend import check_spec
 from kiln.structured.cache import COMPILE_BUCKETS
 from kiln.structured.spec import ANY_JSON_OBJECT, GrammarError, GrammarSpec, spec_of
@@ -55,6 +55,22 @@ def check_constraint(params: SamplingParams, grammar_backend: str, param: str | 
     refusal = _refusal(spec.kind, spec.text)
     if refusal is not None:
         raise InvalidParam(where, refusal)
+
+
+def check_tool_parameters(tools: list[Tool] | None) -> None:
+    """Refuse a tool whose parameters are no JSON schema of an object, whatever tool_choice is (as OpenAI's API):
+    the chat template renders it, and a call's arguments must read back as an object. Keywords the grammar
+    backend cannot enforce pass here (llguidance's lenient mode); a constrained tool_choice refuses them."""
+    for i, tool in enumerate(tools or []):
+        parameters, where = tool.function.parameters, f"tools.{i}.function.parameters"
+        kind = parameters.get("type", "object")
+        if kind != "object":
+            raise InvalidParam(
+                where, f"a function's parameters are a JSON schema of type object, not {kind!r}"
+            )
+        refusal = _refusal("json_schema", json.dumps({**parameters, "x-guidance": {"lenient": True}}))
+        if refusal is not None:
+            raise InvalidParam(where, f"not a valid JSON schema ({refusal})")
 
 
 def grammar_compile_histogram(stats: SchedulerStats) -> HistogramMetricFamily:

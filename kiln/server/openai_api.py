@@ -18,7 +18,7 @@ from kiln.sampling_params import InvalidParam, SamplingParams
 from kiln.scheduler.fanout import FanOut, Sample, fan_out
 from kiln.scheduler.io import OutputAccumulator, ReqOutput
 from kiln.scheduler.validate import Limits, validate_request
-from kiln.server.constraints import check_constraint, response_format_schema
+from kiln.server.constraints import check_constraint, check_tool_parameters, response_format_schema
 from kiln.server.engine_client import EngineClient
 from kiln.server.native import LogprobShape, check_logprob_start, native_body
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -313,6 +313,7 @@ class OpenAIServing:
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
         params = req.sampling_params(max_tokens or 1, req.logprobs, top)
         params.json_schema = response_format_schema(req.response_format) or params.json_schema
+        check_tool_parameters(req.tools)
         tools = ChatTools.of(req, self.tool_call_parser, self.reasoning_parser)
         check_constraint(params, self.grammar_backend, tools.constrain(params))
         prompt = self._chat_prompt(req, tools)
