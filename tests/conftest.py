@@ -28,9 +28,9 @@ _TINY_SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=4096,
 )
-TINY = {  # an untied Llama and a tied Qwen3 with an explicit head_dim
+TINY = {  # an untied Llama, and a tied Qwen3 with an explicit head_dim and biases on all four projections
     "llama": dict(_TINY_SHAPE, tie_word_embeddings=False),
-    "qwen3": dict(_TINY_SHAPE, head_dim=32, tie_word_embeddings=True),
+    "qwen3": dict(_TINY_SHAPE, head_dim=32, tie_word_embeddings=True, attention_bias=True),
 }
 
 
@@ -50,9 +50,9 @@ def build_tiny_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = model_cls(cfg)
-    with torch.no_grad():  # larger-than-default weights so logits have clear winners
-        for p in model.parameters():
-            if p.dim() == 2:
+    with torch.no_grad():  # larger-than-default weights so logits have clear winners; biases not left zero
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or name.endswith("proj.bias"):
                 p.normal_(0.0, 0.08)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)

@@ -18,7 +18,7 @@ from model_equality import (  # the fixtures among these apply to this module by
     one_torch_thread,  # noqa: F401
     reference_fixture,  # noqa: F401
 )
-from moe_models import build_tiny_moe
+from moe_models import build_tiny_deepseek, build_tiny_moe
 
 import kiln
 import kiln.distributed as distributed
@@ -161,14 +161,36 @@ def test_rope_without_a_static_table_is_refused(rope_type: str) -> None:
     assert "yarn" in str(err.value)  # names what is accepted
 
 
-def test_a_sliding_window_is_refused() -> None:
+def test_a_sliding_window_is_refused_over_a_longer_context() -> None:
+    from kiln.models.config import ModelConfig
+    from kiln.models.registry import check_model_config
+
+    def config(**changes) -> ModelConfig:
+        base = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 16}
+        return ModelConfig.from_hf_dict("m", {**base, **changes})
+
+    check_model_config(config(sliding_window=128), 4096)  # the window is off without use_sliding_window
+    windowed = config(use_sliding_window=True, sliding_window=128)
+    with pytest.raises(ValueError, match="sliding_window 128 .* --context-length 128 or less"):
+        check_model_config(windowed, 4096)
+    check_model_config(windowed, 128)  # no sequence is longer than the window: it changes nothing
+
+
+def test_qwen_routing_ignores_deepseeks_fields() -> None:
+    """transformers' and SGLang's Qwen3-MoE route by softmax top-k whatever else the config holds."""
     from transformers import AutoConfig
 
-    from kiln.models.qwen3_moe import check_config
+    from kiln.models.qwen3_moe import moe_spec
 
-    check_config(AutoConfig.for_model("qwen3_moe"))
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        check_config(AutoConfig.for_model("qwen3_moe", use_sliding_window=True, sliding_window=128))
+    plain = AutoConfig.for_model("qwen3_moe", num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    extra = dict(
+        scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
+    noisy = AutoConfig.for_model(
+        "qwen3_moe", num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, **extra
+    )
+    assert moe_spec(noisy) == moe_spec(plain)
+    assert moe_spec(noisy).router == RouterSpec(8, 2, norm_topk_prob=True)
 
 
 def test_sparse_layers_follow_the_config() -> None:
@@ -400,7 +422,7 @@ def test_the_ledger_counts_the_parameters_the_model_holds(engine: kiln.Engine, m
 
 
 def test_an_unknown_scoring_function_is_refused_at_startup(tmp_path: Path) -> None:
-    path = build_tiny_moe(tmp_path / "bad", scoring_func="foo")
+    path = build_tiny_deepseek(tmp_path / "bad", scoring_func="foo")
     with pytest.raises(Exception, match="scoring_func 'foo'") as err:
         kiln.Engine(model_path=str(path), **BASE_ARGS)
     assert "softmax" in str(err.value)

@@ -28,6 +28,22 @@ LLAMA_70B = dict(
     LLAMA_31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64
 )
 
+MISTRAL_WINDOW = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 128}
+QWEN2_WINDOW = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 128,
+    "max_window_layers": 0,
+}  # fmt: skip
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "head_dim": 16,
+}  # fmt: skip
+DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "moe_intermediate_size": 32,
+    "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+    "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+    "n_shared_experts": 1, "first_k_dense_replace": 1,
+}  # fmt: skip
+
 
 def run_plan(capsys, argv: list[str]) -> tuple[int, str, str]:
     rc = plan.main(argv)
@@ -205,11 +221,49 @@ def test_the_models_longest_context_follows_its_rope_scaling_as_sglang_derives_i
             {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
             "rope_type (rope_parameters / rope_scaling)",
         ),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by Kiln (accepted: silu)"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+        # a window transformers applies and Kiln does not, over a context longer than it
+        (MISTRAL_WINDOW, "sliding_window 128 is not implemented by Kiln"),
+        (QWEN2_WINDOW, "sliding_window 128 is not implemented by Kiln"),
+        ({**DEEPSEEK, "scoring_func": "foo"}, "scoring_func 'foo' is not implemented by Kiln"),
+        ({**DEEPSEEK, "n_group": 3}, "n_group 3 does not divide 8 experts"),
+        ({**DEEPSEEK, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({**QWEN3_MOE, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ],
 )
 def test_plan_refuses_a_model_serve_would_refuse_to_build(capsys, model_dir, change, refusal):
     rc, _, err = run_plan(capsys, ["--model-path", model_dir({**TINY, **change}), "--device", "cpu"])
     assert rc == 2 and refusal in err, err
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {**MISTRAL_WINDOW, "sliding_window": None},  # Mistral v0.2 on: no window
+        {**QWEN2_WINDOW, "use_sliding_window": False},  # the window is off
+        {**QWEN2_WINDOW, "max_window_layers": 2},  # every layer below max_window_layers attends in full
+        {**TINY, "sliding_window": 128},  # Llama has no window: transformers ignores the field
+        {**QWEN3_MOE, "scoring_func": "sigmoid", "n_group": 3},  # Qwen's MoE reads none of DeepSeek's fields
+    ],
+)
+def test_plan_takes_the_configs_transformers_runs_as_kiln_does(capsys, model_dir, change):
+    assert run_plan(capsys, ["--model-path", model_dir({**TINY, **change}), "--device", "cpu"])[0] == 0
+
+
+def test_a_sliding_window_is_served_over_a_context_it_cannot_change(capsys, model_dir):
+    """A sequence no longer than the window attends to the same keys with and without it: the refusal's fix."""
+    rc, _, err = run_plan(capsys, ["--model-path", model_dir({**TINY, **MISTRAL_WINDOW}), "--device", "cpu"])
+    assert rc == 2 and "serve it with --context-length 128 or less" in err and "context is 512 tokens" in err
+    argv = [
+        "--model-path",
+        model_dir({**TINY, **MISTRAL_WINDOW}),
+        "--device",
+        "cpu",
+        "--context-length",
+        "128",
+    ]
+    assert run_plan(capsys, argv)[0] == 0
 
 
 def test_bad_model_paths_exit_2(capsys, tmp_path):

@@ -107,21 +107,32 @@ class RouterSpec:
 
     @classmethod
     def from_hf(
-        cls, hf_config: Any, scoring_func: str, topk_method: str, float32_routing: bool
+        cls,
+        hf_config: Any,
+        scoring_func: str,
+        topk_method: str,
+        float32_routing: bool,
+        config_routing: bool = True,
     ) -> RouterSpec:
         """The router of an HF config; `scoring_func` and `topk_method` are the architecture's own, used where the
-        config does not name one."""
-        scale = getattr(hf_config, "routed_scaling_factor", None)
+        config does not name one. Without `config_routing` (Qwen's MoE) the architecture's routing is the only
+        one: SGLang and transformers read none of DeepSeek's routing fields there, whatever the config holds."""
+        routing: dict[str, Any] = {"scoring_func": scoring_func, "topk_method": topk_method}
+        if config_routing:
+            scale = getattr(hf_config, "routed_scaling_factor", None)
+            routing = {
+                "scoring_func": getattr(hf_config, "scoring_func", None) or scoring_func,
+                "topk_method": getattr(hf_config, "topk_method", None) or topk_method,
+                "n_group": int(getattr(hf_config, "n_group", None) or 1),
+                "topk_group": int(getattr(hf_config, "topk_group", None) or 1),
+                "routed_scaling_factor": 1.0 if scale is None else float(scale),
+            }
         return cls(
             num_experts=num_routed_experts(hf_config),
             top_k=int(hf_config.num_experts_per_tok),
-            scoring_func=getattr(hf_config, "scoring_func", None) or scoring_func,
-            topk_method=getattr(hf_config, "topk_method", None) or topk_method,
-            n_group=int(getattr(hf_config, "n_group", None) or 1),
-            topk_group=int(getattr(hf_config, "topk_group", None) or 1),
             norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
-            routed_scaling_factor=1.0 if scale is None else float(scale),
             float32_routing=float32_routing,
+            **routing,
         )
 
 
@@ -136,8 +147,15 @@ class MoESpec:
 
     @classmethod
     def from_hf(
-        cls, hf_config: Any, scoring_func: str, topk_method: str, float32_routing: bool = False
+        cls,
+        hf_config: Any,
+        scoring_func: str,
+        topk_method: str,
+        float32_routing: bool = False,
+        config_routing: bool = True,
     ) -> MoESpec:
+        """The MoE layer of an HF config (RouterSpec.from_hf for the routing arguments); building it checks
+        every field, so a model's check_config builds one to refuse what the model would."""
         _check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), HIDDEN_ACTS)
         inter = int(hf_config.moe_intermediate_size)
         # DeepSeek: n_shared_experts of the routed experts' width; Qwen3-Next: one gated shared expert of its own
@@ -147,7 +165,7 @@ class MoESpec:
             hidden_size=int(hf_config.hidden_size),
             expert_intermediate_size=inter,
             shared_intermediate_size=shared,
-            router=RouterSpec.from_hf(hf_config, scoring_func, topk_method, float32_routing),
+            router=RouterSpec.from_hf(hf_config, scoring_func, topk_method, float32_routing, config_routing),
             shared_expert_gate=gated_shared > 0,
         )
 

@@ -127,6 +127,13 @@ class ModelConfig:
     # set for hybrid models: their linear-attention layers keep a per-request state and no KV
     linear_attention: LinearAttentionSpec | None = None
 
+    def __post_init__(self) -> None:
+        if self.mla is None and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config num_key_value_heads {self.num_kv_heads} does not divide num_attention_heads "
+                f"{self.num_heads}: each key/value head serves a whole group of query heads"
+            )
+
     @property
     def num_kv_layers(self) -> int:
         """Layers with KV in the pool: every layer, or a hybrid's full-attention layers only."""

@@ -25,9 +25,10 @@ from kiln.layers.moe import (
     check_experts_loaded,
     is_sparse_layer,
     load_expert_weights,
+    num_routed_experts,
 )
 from kiln.layers.norm import RMSNorm
-from kiln.layers.rotary import check_rope_type, deinterleave, softmax_scale
+from kiln.layers.rotary import check_choice, check_rope_type, deinterleave, softmax_scale
 from kiln.models.config import MlaDims, ModelConfig
 from kiln.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -47,6 +48,14 @@ def check_config(hf_config: Any) -> None:
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("model config attention_bias true is not implemented by Kiln (accepted: false)")
     check_rope_type(hf_config)
+    check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), ("silu",))
+    if num_routed_experts(hf_config):
+        moe_spec(hf_config)
+
+
+def moe_spec(hf_config: Any) -> MoESpec:
+    """DeepSeek's routing (sigmoid scores, noaux_tc groups), or the one the config names, as SGLang reads it."""
+    return MoESpec.from_hf(hf_config, scoring_func="sigmoid", topk_method="noaux_tc", float32_routing=True)
 
 
 class LatentUpProjection(ColumnParallelLinear):
@@ -146,10 +155,7 @@ class DeepseekV3DecoderLayer(nn.Module):
     def make_mlp(cfg: ModelConfig, layer_id: int) -> nn.Module:
         if not is_sparse_layer(cfg.hf_config, layer_id):
             return LlamaMLP(cfg)
-        spec = MoESpec.from_hf(
-            cfg.hf_config, scoring_func="sigmoid", topk_method="noaux_tc", float32_routing=True
-        )
-        return SparseMoeBlock(spec)
+        return SparseMoeBlock(moe_spec(cfg.hf_config))
 
     # the attention-free halves, as LlamaDecoderLayer's, so that prefill graphs can take them at fixed sizes
     def before_attention(self, cos_sin, h: torch.Tensor, rotary) -> tuple[torch.Tensor, ...]:

@@ -14,7 +14,7 @@ from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
-from kiln.layers.rotary import RotaryEmbedding, check_rope_type
+from kiln.layers.rotary import RotaryEmbedding, check_choice, check_rope_type
 from kiln.models.config import ModelConfig
 from kiln.models.weight_utils import default_weight_loader
 
@@ -34,12 +34,17 @@ class LlamaAttention(nn.Module):
         hf = cfg.hf_config
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
-        bias = bool(getattr(hf, "attention_bias", False)) or cfg.architecture.startswith("Qwen2")
+        # transformers' biases: attention_bias puts one on all four projections (Llama, Qwen3); Qwen2 has them on
+        # q, k and v only, always; Mistral has none
+        bias = bool(getattr(hf, "attention_bias", False)) and not cfg.architecture.startswith("Mistral")
+        qwen2 = cfg.architecture.startswith("Qwen2")
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias or qwen2
         )
         self.q_heads, self.kv_heads = self.qkv_proj.q_heads, self.qkv_proj.kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias and not qwen2
+        )
         self.qk_norm = cfg.architecture.startswith("Qwen3")
         if self.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -115,11 +120,15 @@ class LlamaForCausalLM(nn.Module):
     # the checkpoint's separate projections that load into one merged parameter each
     stacked_params = STACKED_PARAMS
 
+    # whether transformers applies the config's sliding_window to this architecture (registry.attention_window)
+    windowed = False
+
     @staticmethod
     def check_config(hf_config: Any) -> None:
         """Refuses, naming the field, a config this model would run as a near miss: called before any weight is
         allocated, and by `kiln plan` (kiln.models.registry.check_model_config)."""
         check_rope_type(hf_config)
+        check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), ("silu",))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -185,12 +194,12 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    windowed = True
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    pass
+    windowed = True
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    pass
+    windowed = True

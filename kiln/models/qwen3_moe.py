@@ -16,20 +16,22 @@ from kiln.layers.moe import (
     check_experts_loaded,
     is_sparse_layer,
     load_expert_weights,
+    num_routed_experts,
 )
-from kiln.layers.rotary import check_rope_type
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
+def moe_spec(hf_config: Any) -> MoESpec:
+    """Qwen's routing whatever the config holds besides (transformers and SGLang read no DeepSeek field here)."""
+    return MoESpec.from_hf(hf_config, scoring_func="softmax", topk_method="greedy", config_routing=False)
+
+
 def check_config(hf_config: Any) -> None:
     """Refuses, naming the field, what transformers' Qwen3-MoE would run and Kiln does not implement."""
-    check_rope_type(hf_config)
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError(
-            "model config use_sliding_window true is not implemented by Kiln (every layer attends to the whole "
-            "sequence); accepted: false"
-        )
+    LlamaForCausalLM.check_config(hf_config)
+    if num_routed_experts(hf_config):
+        moe_spec(hf_config)
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
@@ -39,11 +41,12 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
         if not is_sparse_layer(cfg.hf_config, layer_id):
             return super().make_mlp(cfg, layer_id)
-        return SparseMoeBlock(MoESpec.from_hf(cfg.hf_config, scoring_func="softmax", topk_method="greedy"))
+        return SparseMoeBlock(moe_spec(cfg.hf_config))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
+    windowed = True
 
     check_config = staticmethod(check_config)
 

@@ -34,15 +34,16 @@ from kiln.layers.gated_delta import (
 from kiln.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from kiln.layers.moe import (
     GatedMLP,
-    MoESpec,
     SparseMoeBlock,
     check_experts_loaded,
     is_sparse_layer,
     load_expert_weights,
+    num_routed_experts,
 )
 from kiln.layers.rotary import RotaryEmbedding, check_choice, check_rope_type
 from kiln.models.config import LinearAttentionSpec, ModelConfig
 from kiln.models.llama import LlamaForCausalLM
+from kiln.models.qwen3_moe import moe_spec
 
 
 class StatePool(Protocol):
@@ -68,6 +69,8 @@ def check_config(hf: Any) -> None:
     """Refuses, naming the field or flag, what transformers' Qwen3-Next would run and Kiln does not."""
     check_rope_type(hf)
     check_choice("hidden_act", getattr(hf, "hidden_act", "silu"), ("silu",))
+    if num_routed_experts(hf):
+        moe_spec(hf)
     if tp_size() > 1 or ep_size() > 1:
         raise ValueError(
             "Qwen3-Next (linear-attention layers) is not implemented with --tp-size or --ep-size above 1"
@@ -283,9 +286,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, spec.full_layers.index(layer_id))
         if is_sparse_layer(hf, layer_id):
-            self.mlp: nn.Module = SparseMoeBlock(
-                MoESpec.from_hf(hf, scoring_func="softmax", topk_method="greedy")
-            )
+            self.mlp: nn.Module = SparseMoeBlock(moe_spec(hf))
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

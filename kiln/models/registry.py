@@ -24,7 +24,27 @@ def model_class(architecture: str) -> type[nn.Module]:
     return MODELS[architecture]
 
 
-def check_model_config(cfg: ModelConfig) -> None:
-    """What building the model would refuse (an architecture, a config field), without building it: `kiln plan`
-    refuses what `kiln serve` would."""
+def check_model_config(cfg: ModelConfig, context_length: int) -> None:
+    """What serving the model would refuse (an architecture, a config field), without building it: `kiln plan`
+    refuses what `kiln serve` would. `context_length`: the longest sequence it will serve."""
     model_class(cfg.architecture).check_config(cfg.hf_config)
+    window = attention_window(cfg)
+    if window is not None and context_length > window:
+        raise ValueError(
+            f"model config sliding_window {window} is not implemented by Kiln (every layer attends to the whole "
+            f"sequence), and this model's context is {context_length} tokens: serve it with --context-length "
+            f"{window} or less, where the window changes nothing"
+        )
+
+
+def attention_window(cfg: ModelConfig) -> int | None:
+    """The sliding window transformers applies to some layer of this model, or None: the config's sliding_window
+    where the architecture honours it (Mistral's every layer; Qwen2's and Qwen3's layers that layer_types marks
+    sliding; Qwen3-MoE's with use_sliding_window, which its config resolves into sliding_window)."""
+    window = getattr(cfg.hf_config, "sliding_window", None)
+    types = getattr(cfg.hf_config, "layer_types", None)
+    if not window or not getattr(model_class(cfg.architecture), "windowed", False):
+        return None
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)

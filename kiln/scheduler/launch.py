@@ -26,7 +26,7 @@ from kiln.memory.kv_pool import copyable
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.memory.model_shapes import context_overrun, fp8_weight_block
+from kiln.memory.model_shapes import context_len_of, context_overrun, fp8_weight_block
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
 from kiln.models.registry import check_model_config
@@ -94,7 +94,8 @@ def model_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     """What `kiln serve` (and so `kiln plan`) refuses to run this model with, before any memory arithmetic: its
     architecture or a config field the model would refuse when built, a --tp-size, a flag a hybrid cannot take."""
     try:
-        check_model_config(ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config))
+        model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
+        check_model_config(model_config, args.context_length or context_len_of(hf_config))
     except ValueError as e:
         return str(e)
     return tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
