@@ -19,7 +19,7 @@ from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table, format_verdict, ledger_json
 from kiln.memory.ledger_types import Ledger, LedgerInputs
 from kiln.memory.model_shapes import context_overrun
-from kiln.scheduler.launch import model_refusal
+from kiln.scheduler.launch import model_refusal, storage_refusal
 from kiln.speculative.settings import with_speculation
 
 __all__ = ["add_arguments", "format_refusal", "ledger_for_args", "main", "register", "run"]
@@ -44,7 +44,7 @@ def ledger_for_args(args: ServerArgs) -> Ledger:
     """The ledger `kiln serve` would compute for these arguments. Raises ValueError for unusable ones, as
     `kiln serve` refuses them: a --tp-size that cannot split the model, a flag a hybrid model cannot take."""
     hf_config = read_hf_config(args.model_path)
-    refusal = model_refusal(args, hf_config)
+    refusal = model_refusal(args, hf_config) or storage_refusal(args, keep=False)
     if refusal is not None:
         raise ValueError(refusal)
     ledger = compute_ledger(with_speculation(LedgerInputs.from_args(args, hf_config), args))

@@ -176,6 +176,25 @@ def test_unusable_arguments_exit_2(capsys, model_dir, argv):
     assert rc == 2 and err
 
 
+def test_a_host_tier_too_small_for_a_page_is_refused_with_the_size_that_holds_one(capsys, model_dir):
+    """It held no token: the tiers asked for were silently off (the storage tier too)."""
+    tiny = ["--model-path", model_dir(TINY), "--device", "cpu", "--enable-hierarchical-cache"]
+    rc, _, err = run_plan(capsys, [*tiny, "--hicache-size", "0.000001", "--page-size", "4"])
+    # TINY: 2 layers x 2 KV heads x 16 dims x K and V x 4 B = 512 B a token, 2,048 B a page
+    assert rc == 2 and "one page of 4 tokens x 512 B is 2,048 B; give --hicache-size 3e-06 or more" in err
+    assert run_plan(capsys, [*tiny, "--hicache-size", "0.000003", "--page-size", "4"])[0] == 0
+
+
+def test_an_unusable_storage_dir_is_refused_naming_the_flag_and_leaves_no_trace(capsys, model_dir, tmp_path):
+    tier = ["--model-path", model_dir(TINY), "--device", "cpu", "--enable-hierarchical-cache"]
+    tier += ["--hicache-storage-backend", "file", "--hicache-storage-dir"]
+    (tmp_path / "a_file").write_text("x")
+    rc, _, err = run_plan(capsys, [*tier, str(tmp_path / "a_file" / "kv")])
+    assert rc == 2 and f"--hicache-storage-dir {tmp_path / 'a_file' / 'kv'} cannot hold" in err
+    assert run_plan(capsys, [*tier, str(tmp_path / "new" / "kv")])[0] == 0
+    assert not (tmp_path / "new").exists()  # the plan made the directories to try them, then removed them
+
+
 def test_a_context_longer_than_the_model_is_refused_unless_allowed(capsys, model_dir, monkeypatch):
     """SGLang's rule and its switch: positions past the model's maximum may give wrong outputs."""
     argv = ["--model-path", model_dir(TINY), "--device", "cpu", "--context-length", "1024"]

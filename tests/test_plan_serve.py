@@ -189,6 +189,16 @@ def test_serve_refuses_a_config_json_that_plan_takes(capsys, model_dir):
         build_engine(ServerArgs(model_path=config))
 
 
+def test_serve_refuses_an_unusable_storage_dir_before_loading_weights(tmp_path, model_dir):
+    """Both refusals come before any weight loads (they came after it, as a bare OS error or not at all)."""
+    (tmp_path / "a_file").write_text("x")
+    args = dict(model_path=model_dir(TINY), enable_hierarchical_cache=True, hicache_storage_backend="file")
+    with pytest.raises(StartupRefused, match="--hicache-storage-dir .* cannot hold the storage tier's files"):
+        build_engine(ServerArgs(**args, hicache_storage_dir=str(tmp_path / "a_file" / "kv")))
+    with pytest.raises(ValueError, match="the host tier holds no page of KV"):
+        build_engine(ServerArgs(**args, hicache_storage_dir=str(tmp_path / "kv"), hicache_size=1e-9))
+
+
 # ---------------------------------------------------------------- one rule each
 
 

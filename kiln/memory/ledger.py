@@ -11,6 +11,7 @@ fail.
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -104,7 +105,7 @@ def _compute(inputs: LedgerInputs, plan: StatePlan | None) -> Ledger:
         + reserve_lines(inputs, shapes, reserve, budget)
     )
     host_lines, host_failure = host_check(
-        inputs, budget.pool_bytes, inputs.available_memory_bytes - max(budget.headroom, 0)
+        inputs, budget.pool_bytes, inputs.available_memory_bytes - max(budget.headroom, 0), cell.total
     )
     failure = first_failure(inputs, sizing, static.total, shapes, reserve, budget, host_failure)
     if failure is None or failure.moment != "load_weights":  # the state pool is allocated after the weights
@@ -317,8 +318,17 @@ def _storage_lines(inputs: LedgerInputs) -> list[LedgerLine]:
     ]
 
 
-def host_check(inputs: LedgerInputs, pool: int, device_used: int) -> tuple[list[LedgerLine], str | None]:
-    """Host tier lines (per rank, per node) and the host-memory failure message, if any."""
+def _round_up(x: float) -> float:
+    """x rounded up to one significant digit: a flag value that is enough, and reads short."""
+    step = 10 ** math.floor(math.log10(x))
+    return math.ceil(x / step) * step
+
+
+def host_check(
+    inputs: LedgerInputs, pool: int, device_used: int, token_bytes: int
+) -> tuple[list[LedgerLine], str | None]:
+    """Host tier lines (per rank, per node) and the host-memory failure message, if any. A host tier too small
+    for one page of KV is refused (ValueError): it would hold nothing, and the tiers asked for would be off."""
     if not inputs.enable_hierarchical_cache:
         return [], None
     if inputs.hicache_size_gb > 0:
@@ -327,6 +337,17 @@ def host_check(inputs: LedgerInputs, pool: int, device_used: int) -> tuple[list[
     else:
         per_rank = int(inputs.hicache_ratio * pool)
         how = f"--hicache-ratio {inputs.hicache_ratio:g} x KV pool {gib(pool)}"
+    page = inputs.page_size * token_bytes
+    if per_rank < page:
+        fix = (
+            f"--hicache-size {_round_up(page / 1e9):g} or more (GB per rank)"
+            if inputs.hicache_size_gb > 0
+            else f"--hicache-ratio {_round_up(page / max(pool, 1)):g} or more"
+        )
+        raise ValueError(
+            f"the host tier holds no page of KV: {how} = {per_rank:,} B per rank, and one page of "
+            f"{inputs.page_size} tokens x {token_bytes:,} B is {page:,} B; give {fix}"
+        )
     if inputs.host_memory_bytes is not None:
         host = inputs.host_memory_bytes
     else:

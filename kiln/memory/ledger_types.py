@@ -108,7 +108,7 @@ class LedgerInputs:
             hicache_size_gb=args.hicache_size,
             hicache_ratio=args.hicache_ratio,
             host_memory_bytes=_host_memory(args),
-            hicache_storage_dir=_storage_dir(args),
+            hicache_storage_dir=storage_dir(args),
             weight_prepack=not args.disable_weight_prepack,
             disable_radix_cache=args.disable_radix_cache,
             mamba_full_memory_ratio=args.mamba_full_memory_ratio,
@@ -152,7 +152,8 @@ def _draft_config(args: ServerArgs) -> dict | None:
     return read_hf_config(path)
 
 
-def _storage_dir(args: ServerArgs) -> str | None:
+def storage_dir(args: ServerArgs) -> str | None:
+    """The file storage tier's directory; None without one."""
     if args.hicache_storage_backend != "file":
         return None
     return args.hicache_storage_dir or str(Path("~/.cache/kiln/hicache").expanduser())

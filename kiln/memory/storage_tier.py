@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import struct
+import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,31 @@ DEFAULT_BLOCK_TOKENS = 64
 
 def default_storage_dir() -> str:
     return str(Path("~/.cache/kiln/hicache").expanduser())
+
+
+def storage_dir_problem(root: str, keep: bool) -> str | None:
+    """Why the storage tier cannot keep files under `root`, or None: the directory is made (with its missing
+    parents) and a file written in it and removed, which is what the tier will do. `keep`: leave the directories
+    made (serve); otherwise remove them again (`kiln plan` leaves no trace)."""
+    path = Path(root).expanduser()
+    made: list[Path] = []
+    try:
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        for directory in reversed(missing):
+            directory.mkdir(exist_ok=True)  # ranks starting together make the same directories
+            made.append(directory)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kiln-probe-"):
+            pass
+    except OSError as e:
+        return (
+            f"--hicache-storage-dir {root} cannot hold the storage tier's files ({e.strerror or e}: "
+            f"{e.filename or path}): give a directory Kiln can write (default {default_storage_dir()})"
+        )
+    finally:
+        if not keep:
+            for directory in reversed(made):
+                directory.rmdir()
+    return None
 
 
 def model_fingerprint(identity: dict) -> str:

@@ -25,7 +25,7 @@ from kiln.loader.model_config import read_hf_config, resolve_model_path
 from kiln.memory.kv_pool import copyable
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table
-from kiln.memory.ledger_types import Ledger, LedgerInputs
+from kiln.memory.ledger_types import Ledger, LedgerInputs, storage_dir
 from kiln.memory.model_shapes import context_len_of, context_overrun, fp8_weight_block
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
@@ -99,6 +99,13 @@ def model_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     except ValueError as e:
         return str(e)
     return tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
+
+
+def storage_refusal(args: ServerArgs, keep: bool) -> str | None:
+    """Why the file storage tier cannot keep files where --hicache-storage-dir says, found by making the directory
+    and writing a file in it before any weight loads (`keep`: serve keeps the directory; plan removes it)."""
+    root = storage_dir(args)
+    return None if root is None else storage_tier.storage_dir_problem(root, keep)
 
 
 def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
@@ -358,7 +365,7 @@ def kv_storage(args: ServerArgs, runner: ModelRunner) -> FileStorageTier | None:
     }
     tensors = [copyable(t) for t in (*runner.kv_pool.k, *runner.kv_pool.v)]
     block = math.lcm(storage_tier.DEFAULT_BLOCK_TOKENS, args.page_size)
-    root = args.hicache_storage_dir or storage_tier.default_storage_dir()
+    root = storage_dir(args) or storage_tier.default_storage_dir()
     return FileStorageTier(root, storage_tier.model_fingerprint(identity), tensors, block)
 
 
@@ -388,7 +395,7 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
             "weights: give the model's directory"
         )
     hf_config = read_hf_config(args.model_path)
-    refusal = model_refusal(args, hf_config)
+    refusal = model_refusal(args, hf_config) or storage_refusal(args, keep=True)
     if refusal:
         raise StartupRefused(refusal)
     plan = _checked_plan(args, hf_config)
