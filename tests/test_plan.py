@@ -270,6 +270,33 @@ def test_plan_takes_the_configs_transformers_runs_as_kiln_does(capsys, model_dir
     assert run_plan(capsys, ["--model-path", model_dir({**TINY, **change}), "--device", "cpu"])[0] == 0
 
 
+@pytest.mark.parametrize(
+    "flags, draft, refusal",
+    [
+        (["NEXTN"], None, "drafts with the model's own MTP layer"),
+        (["STANDALONE"], {**TINY, "vocab_size": 300}, "has a vocabulary of 300 tokens, the target"),
+        (
+            ["EAGLE"],
+            {**TINY, "architectures": ["LlamaForCausalLM"]},
+            "draft model architecture 'LlamaForCausalLM' is not an EAGLE head",
+        ),
+        (["EAGLE3"], {**TINY, "architectures": ["LlamaForCausalLMEagle3"], "vocab_size": 300}, "300 tokens"),
+        (["STANDALONE"], "missing", "--speculative-draft-model-path"),
+    ],
+)
+def test_plan_refuses_a_speculative_setup_serve_would_refuse(
+    capsys, model_dir, tmp_path, flags, draft, refusal
+):
+    """Serve found these after loading the weights (minutes on a large model); the configs show them."""
+    argv = ["--model-path", model_dir(TINY), "--device", "cpu", "--speculative-algorithm", *flags]
+    if draft is not None:
+        path = str(tmp_path / "missing") if draft == "missing" else model_dir(draft, "draft")
+        argv += ["--speculative-draft-model-path", path]
+    rc, _, err = run_plan(capsys, argv)
+    assert rc == 2 and refusal in err, err
+    assert draft != "missing" or "--model-path" not in err  # the flag that gave the path, not the target's
+
+
 def test_a_sliding_window_is_served_over_a_context_it_cannot_change(capsys, model_dir):
     """A sequence no longer than the window attends to the same keys with and without it: the refusal's fix."""
     rc, _, err = run_plan(capsys, ["--model-path", model_dir({**TINY, **MISTRAL_WINDOW}), "--device", "cpu"])

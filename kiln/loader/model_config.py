@@ -20,7 +20,7 @@ def is_hub_id(model_path: str) -> bool:
     return _HUB_ID.fullmatch(model_path) is not None and not Path(model_path).exists()
 
 
-def hub_snapshot(model_id: str, revision: str | None = None) -> str:
+def hub_snapshot(model_id: str, revision: str | None = None, flag: str = "--model-path") -> str:
     """The local snapshot directory of a Hugging Face model id in the hub cache (HF_HUB_CACHE, else HF_HOME/hub,
     as huggingface_hub reads them), at `revision` (a branch, tag or commit; default main). Offline by design:
     Kiln never downloads (a server start should not depend on the hub), so a miss is a ValueError naming the id
@@ -33,19 +33,19 @@ def hub_snapshot(model_id: str, revision: str | None = None) -> str:
         return snapshot_download(model_id, revision=revision, local_files_only=True)
     except (LocalEntryNotFoundError, IncompleteSnapshotError, ValueError) as e:
         raise ValueError(
-            f"--model-path {shown}: no local path, and not in the Hugging Face hub cache {constants.HF_HUB_CACHE} "
+            f"{flag} {shown}: no local path, and not in the Hugging Face hub cache {constants.HF_HUB_CACHE} "
             f"({type(e).__name__}). Kiln never downloads: fetch it where the hub is reachable (`hf download "
             f"{model_id}`) and point HF_HUB_CACHE or HF_HOME at that cache, or give a local directory"
         ) from e
 
 
-def resolve_model_path(model_path: str, revision: str | None = None) -> str:
+def resolve_model_path(model_path: str, revision: str | None = None, flag: str = "--model-path") -> str:
     """The path weights load from: a directory with a config.json, a .gguf file (also the one .gguf file of a
     directory without config.json), a config.json file (planning only: its directory must hold the weights to
     serve), or the hub cache's snapshot of a model id at `revision` (see hub_snapshot). Raises ValueError naming
-    what was expected."""
+    what was expected and `flag`, the flag that gave the path."""
     if is_hub_id(model_path):
-        model_path = hub_snapshot(model_path, revision)
+        model_path = hub_snapshot(model_path, revision, flag)
     path = Path(model_path)
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -54,19 +54,19 @@ def resolve_model_path(model_path: str, revision: str | None = None) -> str:
         if len(ggufs) == 1:
             return str(ggufs[0])
         raise ValueError(
-            f"--model-path {model_path}: no config.json and {len(ggufs)} .gguf files (give a Hugging Face model "
+            f"{flag} {model_path}: no config.json and {len(ggufs)} .gguf files (give a Hugging Face model "
             f"directory, a .gguf file, or a directory holding exactly one .gguf file)"
         )
     if path.is_file() and path.suffix in (".gguf", ".json"):
         return str(path)
     raise ValueError(
-        f"--model-path {model_path}: not found (give a Hugging Face model directory, a config.json or a .gguf file)"
+        f"{flag} {model_path}: not found (give a Hugging Face model directory, a config.json or a .gguf file)"
     )
 
 
-def read_hf_config(model_path: str, revision: str | None = None) -> dict:
+def read_hf_config(model_path: str, revision: str | None = None, flag: str = "--model-path") -> dict:
     """The HF config dict of a model path (see resolve_model_path); GGUF metadata is translated to HF names."""
-    path = Path(resolve_model_path(model_path, revision))
+    path = Path(resolve_model_path(model_path, revision, flag))
     if path.suffix == ".gguf":
         from kiln.loader.gguf_loader import read_gguf_config
 

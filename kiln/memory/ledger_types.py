@@ -149,7 +149,7 @@ def _draft_config(args: ServerArgs) -> dict | None:
         return None
     from kiln.loader.model_config import read_hf_config
 
-    return read_hf_config(path)
+    return read_hf_config(path, flag="--speculative-draft-model-path")
 
 
 def storage_dir(args: ServerArgs) -> str | None:

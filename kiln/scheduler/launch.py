@@ -34,6 +34,7 @@ from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.spec_step import SpecDecoder
 from kiln.speculative.base import Drafter
+from kiln.speculative.checks import draft_refusal
 from kiln.speculative.settings import SpecSettings, with_speculation
 from kiln.speculative.settings import resolve as resolve_speculative
 from kiln.text.tokenizer import load_tokenizer
@@ -92,13 +93,14 @@ def _agreed(inputs: LedgerInputs) -> LedgerInputs:
 
 def model_refusal(args: ServerArgs, hf_config: dict) -> str | None:
     """What `kiln serve` (and so `kiln plan`) refuses to run this model with, before any memory arithmetic: its
-    architecture or a config field the model would refuse when built, a --tp-size, a flag a hybrid cannot take."""
+    architecture or a config field the model would refuse when built, a --tp-size, a flag a hybrid cannot take,
+    a speculative setup the configs show it cannot run."""
     try:
         model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
         check_model_config(model_config, args.context_length or context_len_of(hf_config))
     except ValueError as e:
         return str(e)
-    return tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config)
+    return tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config) or draft_refusal(args, hf_config)
 
 
 def storage_refusal(args: ServerArgs, keep: bool) -> str | None:

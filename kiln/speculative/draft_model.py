@@ -34,6 +34,9 @@ logger = logging.getLogger("kiln")
 CATCH_UP_CHUNK = 2048
 
 
+DRAFT_FLAG = "--speculative-draft-model-path"
+
+
 class DraftRefused(ValueError):
     """The draft model cannot serve this target (another vocabulary or tokenizer); raised at startup."""
 
@@ -462,15 +465,21 @@ def vocabulary_fingerprint(tokenizer) -> str:
     return hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
 
 
-def check_same_vocabulary(target: tuple[str, int, object], draft: tuple[str, int, object]) -> None:
-    """(path, vocab size, tokenizer) of each; DraftRefused, naming both, when the draft cannot propose the
-    target's token ids."""
-    (target_path, target_size, target_tok), (draft_path, draft_size, draft_tok) = target, draft
+def check_same_vocab_size(target_path: str, target_size: int, draft_path: str, draft_size: int) -> None:
+    """DraftRefused, naming both, when the draft's vocabulary size is not the target's (from the configs alone:
+    `kiln plan` asks too)."""
     if target_size != draft_size:
         raise DraftRefused(
             f"draft model {draft_path} has a vocabulary of {draft_size} tokens, the target {target_path} "
             f"{target_size}: --speculative-draft-model-path needs a draft with the target's vocabulary"
         )
+
+
+def check_same_vocabulary(target: tuple[str, int, object], draft: tuple[str, int, object]) -> None:
+    """(path, vocab size, tokenizer) of each; DraftRefused, naming both, when the draft cannot propose the
+    target's token ids."""
+    (target_path, target_size, target_tok), (draft_path, draft_size, draft_tok) = target, draft
+    check_same_vocab_size(target_path, target_size, draft_path, draft_size)
     target_print, draft_print = vocabulary_fingerprint(target_tok), vocabulary_fingerprint(draft_tok)
     if target_print != draft_print:
         raise DraftRefused(
@@ -495,7 +504,7 @@ def build_standalone_drafter(
     from kiln.loader.model_config import read_hf_config
     from kiln.text.tokenizer import load_tokenizer
 
-    cfg = ModelConfig.from_hf_dict(path, read_hf_config(path))
+    cfg = ModelConfig.from_hf_dict(path, read_hf_config(path, flag=DRAFT_FLAG))
     target_cfg = target.model_config
     check_same_vocabulary(
         (target_cfg.model_path, target_cfg.vocab_size, target_tokenizer),

@@ -14,18 +14,16 @@ EAGLE reads the target's final normed hidden state; EAGLE-3 the residual stream 
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 from torch import nn
 
+from kiln.loader.model_config import read_hf_config
 from kiln.loader.weights import build_materialized, iter_safetensors
 from kiln.models.config import ModelConfig
 from kiln.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3, eagle3_capture_layers
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput
-from kiln.speculative.draft_model import ChainDrafter, DraftRefused, _Sequence
+from kiln.speculative.draft_model import DRAFT_FLAG, ChainDrafter, DraftRefused, _Sequence
 from kiln.speculative.head_kv import TargetSlotKV, head_pool_sizes, target_pool_rows
 
 HEADS: dict[str, type[nn.Module]] = {
@@ -99,8 +97,7 @@ class EagleDrafter(TargetSlotKV, ChainDrafter):
 
 
 def read_draft_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    return read_hf_config(path, flag=DRAFT_FLAG)
 
 
 def head_class(config: dict) -> type[nn.Module]:

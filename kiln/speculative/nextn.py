@@ -109,17 +109,25 @@ def head_weights(mtp_weights: dict[str, torch.Tensor], num_layers: int) -> list[
     return out
 
 
+def check_has_mtp(model_path: str, architecture: str, mtp_layers: object) -> None:
+    """DraftRefused for a NEXTN target without an MTP layer (`mtp_layers` falsy: none in its config, or none of
+    its weights; `kiln plan` asks too, from the config alone)."""
+    if not mtp_layers:
+        raise DraftRefused(
+            f"--speculative-algorithm NEXTN drafts with the model's own MTP layer; {model_path} ({architecture}) "
+            "has none"
+        )
+
+
 def build_nextn_drafter(
     target: ModelRunner, sizes: PoolSizes, num_steps: int, topk: int = 1, num_nodes: int | None = None
 ) -> EagleDrafter:
     """The target's MTP layer as a head on a latent KV pool of its own; DraftRefused when the target has none."""
     cfg, model = target.model_config, target.model
     mtp = getattr(model, "mtp_weights", None)
-    if not mtp or not getattr(cfg.hf_config, "num_nextn_predict_layers", 0):
-        raise DraftRefused(
-            f"--speculative-algorithm NEXTN drafts with the model's own MTP layer; {cfg.model_path} "
-            f"({cfg.architecture}) has none"
-        )
+    check_has_mtp(
+        cfg.model_path, cfg.architecture, getattr(cfg.hf_config, "num_nextn_predict_layers", 0) and mtp
+    )
     head = build_materialized(NextnHead, cfg, target.dtype, target.device)
     loaded = head.load_weights((n, t.to(target.device)) for n, t in head_weights(mtp, cfg.num_layers))
     missing = {n for n, _ in head.named_parameters()} - loaded
