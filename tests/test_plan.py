@@ -185,6 +185,13 @@ def test_a_host_tier_too_small_for_a_page_is_refused_with_the_size_that_holds_on
     assert run_plan(capsys, [*tiny, "--hicache-size", "0.000003", "--page-size", "4"])[0] == 0
 
 
+def test_a_model_that_does_not_fit_says_so_first_with_a_host_tier(capsys, model_dir):
+    """No KV pool leaves the default ratio's host tier empty: the weights are what to fix, not the tier."""
+    argv = ["--model-path", model_dir(LLAMA_70B), "--device", "cuda", "--device-memory", "24GiB"]
+    rc, out, _ = run_plan(capsys, [*argv, "--host-memory", "256GiB", "--enable-hierarchical-cache"])
+    assert rc == 1 and "weight" in out and "host tier holds no page" not in out
+
+
 def test_an_unusable_storage_dir_is_refused_naming_the_flag_and_leaves_no_trace(capsys, model_dir, tmp_path):
     tier = ["--model-path", model_dir(TINY), "--device", "cpu", "--enable-hierarchical-cache"]
     tier += ["--hicache-storage-backend", "file", "--hicache-storage-dir"]
@@ -192,6 +199,7 @@ def test_an_unusable_storage_dir_is_refused_naming_the_flag_and_leaves_no_trace(
     rc, _, err = run_plan(capsys, [*tier, str(tmp_path / "a_file" / "kv")])
     assert rc == 2 and f"--hicache-storage-dir {tmp_path / 'a_file' / 'kv'} cannot hold" in err
     assert run_plan(capsys, [*tier, str(tmp_path / "new" / "kv")])[0] == 0
+    assert run_plan(capsys, [*tier, str(tmp_path / "new" / "x" / ".." / "kv")])[0] == 0
     assert not (tmp_path / "new").exists()  # the plan made the directories to try them, then removed them
 
 

@@ -233,9 +233,10 @@ def _tool(parameters: dict) -> dict:
     [
         {"type": "objec"},
         {"type": "array", "items": {}},
-        {"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}},
+        {"type": ["object", "nul"]},
         {"type": "object", "required": "a"},
-        {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+        {"type": "object", "properties": ["a"]},
+        {"type": "object", "properties": {"a": 5}},
     ],
 )
 def test_tool_parameters_that_are_no_object_schema_are_refused(parameters):
@@ -244,10 +245,19 @@ def test_tool_parameters_that_are_no_object_schema_are_refused(parameters):
     assert refused.value.param == "tools.1.function.parameters"
 
 
-def test_tool_parameters_the_grammar_cannot_enforce_pass_under_auto():
-    # valid JSON Schema that llguidance does not implement: a template renders it; required would refuse it
-    unenforceable = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
-    check_tool_parameters(chat(tools=[_tool(unenforceable), _tool({"properties": {}})]).tools)
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"properties": {}},
+        {"type": ["object", "null"]},
+        # valid JSON Schema that llguidance does not enforce: a template renders it; required would refuse it
+        {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+        {"type": "object", "properties": {"u": {"type": "string", "pattern": "^(?=.*a).+$"}}},
+        {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+    ],
+)
+def test_tool_parameters_the_grammar_cannot_enforce_pass_under_auto(parameters):
+    check_tool_parameters(chat(tools=[_tool(parameters)]).tools)
 
 
 def test_constrained_arguments_are_an_object_when_the_schema_names_no_type():
@@ -256,6 +266,13 @@ def test_constrained_arguments_are_an_object_when_the_schema_names_no_type():
     tools.constrain(params)
     [item] = json.loads(params.json_schema)["items"]["anyOf"]
     assert item["properties"]["parameters"] == {"type": "object", "properties": {"a": {}}}
+    tools = ChatTools.of(
+        chat(tools=[_tool({"type": ["object", "null"]})], tool_choice="required"), None, None
+    )
+    tools.constrain(params := SamplingParams())
+    assert json.loads(params.json_schema)["items"]["anyOf"][0]["properties"]["parameters"] == {
+        "type": "object"
+    }
 
 
 def test_strict_tools_are_enforced_when_required():

@@ -177,12 +177,30 @@ def test_malformed_streamed_ends_as_text(parser, text):
         assert content == text
 
 
+CUT_SHORT.append(
+    (
+        "llama3",
+        f'Sure. <|python_tag|>{call_object("get_weather", PARIS, "parameters")}; {{"name": "search", "parameters": {{"q"',
+        "Sure.",
+        [WEATHER, ToolCall("search", '{"q"')],
+    )
+)
+
+
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), CUT_SHORT)
 @pytest.mark.parametrize("size", [1, 3, 10_000])
 def test_a_call_cut_short_stands_whole_and_streamed(parser, text, content, calls, size):
     parsed = parse_tool_calls(parser, text, TOOLS)
     assert (parsed.content, list(parsed.calls)) == (content, calls)
     assert stream(parser, text, size)[:2] == (content, calls)
+
+
+@pytest.mark.parametrize(("parser", "text"), [(parser, text) for parser, text, _, _ in RECORDED])
+def test_every_cut_of_an_output_reads_the_same_whole_and_streamed(parser, text):
+    """max_tokens may end an output anywhere: each prefix parses whole to what its stream adds up to."""
+    for end in range(len(text) + 1):
+        parsed = parse_tool_calls(parser, text[:end], TOOLS)
+        assert stream(parser, text[:end], 3)[:2] == (parsed.content, list(parsed.calls)), text[:end]
 
 
 def test_partial_marker_is_held_back_until_it_resolves():

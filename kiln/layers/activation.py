@@ -1,11 +1,19 @@
-"""SiLU-and-multiply over a merged gate_up projection."""
+"""SiLU-and-multiply over a merged gate_up projection: the only MLP activation Kiln implements."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kiln.layers import fused
+from kiln.layers.rotary import check_choice
+
+
+def check_hidden_act(hf_config: Any) -> None:
+    """Refuses, naming the field, a config whose MLPs transformers would run with another activation."""
+    check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), ("silu",))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 
 from kiln.core.sharding import divide, expert_split
 from kiln.distributed import all_reduce, ep_size, tp_rank, tp_size
-from kiln.layers.activation import silu_and_mul
+from kiln.layers.activation import check_hidden_act, silu_and_mul
 from kiln.layers.fp8_linear import FIX, as_dtype, copy_blocks
 from kiln.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kiln.layers.rotary import check_choice as _check_choice
@@ -31,7 +31,6 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 # greedy: plain top-k; group_limited_greedy (DeepSeek-V2): groups ranked by their best expert;
 # noaux_tc (DeepSeek-V3): groups ranked by their two best experts, scores shifted by e_score_correction_bias
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-HIDDEN_ACTS = ("silu",)
 EXPERT_PARTS = ("gate", "up", "down")
 
 
@@ -156,7 +155,7 @@ class MoESpec:
     ) -> MoESpec:
         """The MoE layer of an HF config (RouterSpec.from_hf for the routing arguments); building it checks
         every field, so a model's check_config builds one to refuse what the model would."""
-        _check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), HIDDEN_ACTS)
+        check_hidden_act(hf_config)
         inter = int(hf_config.moe_intermediate_size)
         # DeepSeek: n_shared_experts of the routed experts' width; Qwen3-Next: one gated shared expert of its own
         gated_shared = int(getattr(hf_config, "shared_expert_intermediate_size", None) or 0)

@@ -20,6 +20,10 @@ def is_hub_id(model_path: str) -> bool:
     return _HUB_ID.fullmatch(model_path) is not None and not Path(model_path).exists()
 
 
+# the flag a speculative draft's path comes from, named by the errors about it
+DRAFT_MODEL_FLAG = "--speculative-draft-model-path"
+
+
 def hub_snapshot(model_id: str, revision: str | None = None, flag: str = "--model-path") -> str:
     """The local snapshot directory of a Hugging Face model id in the hub cache (HF_HUB_CACHE, else HF_HOME/hub,
     as huggingface_hub reads them), at `revision` (a branch, tag or commit; default main). Offline by design:

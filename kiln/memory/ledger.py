@@ -105,9 +105,12 @@ def _compute(inputs: LedgerInputs, plan: StatePlan | None) -> Ledger:
         + reserve_lines(inputs, shapes, reserve, budget)
     )
     host_lines, host_failure = host_check(
-        inputs, budget.pool_bytes, inputs.available_memory_bytes - max(budget.headroom, 0), cell.total
+        inputs, budget.pool_bytes, inputs.available_memory_bytes - max(budget.headroom, 0)
     )
     failure = first_failure(inputs, sizing, static.total, shapes, reserve, budget, host_failure)
+    too_small = host_tier_too_small(inputs, budget.pool_bytes, cell.total)
+    if too_small and (failure is None or failure.moment == "host_memory"):
+        raise ValueError(too_small)  # a flag no memory fixes: refused as the bad arguments it is
     if failure is None or failure.moment != "load_weights":  # the state pool is allocated after the weights
         failure = _state_failure(plan) or failure
     return Ledger(
@@ -324,30 +327,38 @@ def _round_up(x: float) -> float:
     return math.ceil(x / step) * step
 
 
-def host_check(
-    inputs: LedgerInputs, pool: int, device_used: int, token_bytes: int
-) -> tuple[list[LedgerLine], str | None]:
-    """Host tier lines (per rank, per node) and the host-memory failure message, if any. A host tier too small
-    for one page of KV is refused (ValueError): it would hold nothing, and the tiers asked for would be off."""
+def _host_tier(inputs: LedgerInputs, pool: int) -> tuple[int, str]:
+    """The host tier's bytes per rank, and how the flags give them."""
+    if inputs.hicache_size_gb > 0:
+        return int(
+            inputs.hicache_size_gb * 1e9
+        ), f"--hicache-size {inputs.hicache_size_gb:g} GB (1e9 B) per rank"
+    return int(inputs.hicache_ratio * pool), f"--hicache-ratio {inputs.hicache_ratio:g} x KV pool {gib(pool)}"
+
+
+def host_tier_too_small(inputs: LedgerInputs, pool: int, token_bytes: int) -> str | None:
+    """Why a host tier holds no page of KV, or None: it would hold nothing, and the tiers asked for (the storage
+    tier too) would be off. Asked once the device's own moments fit (a pool of 0 is theirs to explain)."""
+    per_rank, how = _host_tier(inputs, pool)
+    page = inputs.page_size * token_bytes
+    if not inputs.enable_hierarchical_cache or per_rank >= page:
+        return None
+    fix = (
+        f"--hicache-size {_round_up(page / 1e9):g} or more (GB per rank)"
+        if inputs.hicache_size_gb > 0
+        else f"--hicache-ratio {_round_up(page / max(pool, 1)):g} or more"
+    )
+    return (
+        f"the host tier holds no page of KV: {how} = {per_rank:,} B per rank, and one page of "
+        f"{inputs.page_size} tokens x {token_bytes:,} B is {page:,} B; give {fix}"
+    )
+
+
+def host_check(inputs: LedgerInputs, pool: int, device_used: int) -> tuple[list[LedgerLine], str | None]:
+    """Host tier lines (per rank, per node) and the host-memory failure message, if any."""
     if not inputs.enable_hierarchical_cache:
         return [], None
-    if inputs.hicache_size_gb > 0:
-        per_rank = int(inputs.hicache_size_gb * 1e9)
-        how = f"--hicache-size {inputs.hicache_size_gb:g} GB (1e9 B) per rank"
-    else:
-        per_rank = int(inputs.hicache_ratio * pool)
-        how = f"--hicache-ratio {inputs.hicache_ratio:g} x KV pool {gib(pool)}"
-    page = inputs.page_size * token_bytes
-    if per_rank < page:
-        fix = (
-            f"--hicache-size {_round_up(page / 1e9):g} or more (GB per rank)"
-            if inputs.hicache_size_gb > 0
-            else f"--hicache-ratio {_round_up(page / max(pool, 1)):g} or more"
-        )
-        raise ValueError(
-            f"the host tier holds no page of KV: {how} = {per_rank:,} B per rank, and one page of "
-            f"{inputs.page_size} tokens x {token_bytes:,} B is {page:,} B; give {fix}"
-        )
+    per_rank, how = _host_tier(inputs, pool)
     if inputs.host_memory_bytes is not None:
         host = inputs.host_memory_bytes
     else:

@@ -5,7 +5,6 @@ way from serve's flags to the inputs, for `kiln serve` and `kiln plan` alike."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import kiln.platform as platform
@@ -147,16 +146,18 @@ def _draft_config(args: ServerArgs) -> dict | None:
     path = getattr(args, "speculative_draft_model_path", None)
     if algorithm not in ("STANDALONE", "EAGLE", "EAGLE3") or not path:
         return None
-    from kiln.loader.model_config import read_hf_config
+    from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_hf_config
 
-    return read_hf_config(path, flag="--speculative-draft-model-path")
+    return read_hf_config(path, flag=DRAFT_MODEL_FLAG)
 
 
 def storage_dir(args: ServerArgs) -> str | None:
     """The file storage tier's directory; None without one."""
     if args.hicache_storage_backend != "file":
         return None
-    return args.hicache_storage_dir or str(Path("~/.cache/kiln/hicache").expanduser())
+    from kiln.memory.storage_tier import default_storage_dir
+
+    return args.hicache_storage_dir or default_storage_dir()
 
 
 def _host_memory(args: ServerArgs) -> int | None:

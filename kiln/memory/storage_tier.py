@@ -14,6 +14,7 @@ temporary file, which no reader opens and a later start removes."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -42,13 +43,16 @@ def storage_dir_problem(root: str, keep: bool) -> str | None:
     """Why the storage tier cannot keep files under `root`, or None: the directory is made (with its missing
     parents) and a file written in it and removed, which is what the tier will do. `keep`: leave the directories
     made (serve); otherwise remove them again (`kiln plan` leaves no trace)."""
-    path = Path(root).expanduser()
+    path = Path(os.path.abspath(Path(root).expanduser()))  # no "..": each directory made is one removed
     made: list[Path] = []
     try:
-        missing = [p for p in (path, *path.parents) if not p.exists()]
-        for directory in reversed(missing):
-            directory.mkdir(exist_ok=True)  # ranks starting together make the same directories
-            made.append(directory)
+        for directory in reversed([p for p in (path, *path.parents) if not p.exists()]):
+            try:
+                directory.mkdir()
+                made.append(directory)
+            except FileExistsError:  # another rank (or process) made it meanwhile: not ours to remove
+                if not directory.is_dir():
+                    raise
         with tempfile.NamedTemporaryFile(dir=path, prefix=".kiln-probe-"):
             pass
     except OSError as e:
@@ -59,7 +63,8 @@ def storage_dir_problem(root: str, keep: bool) -> str | None:
     finally:
         if not keep:
             for directory in reversed(made):
-                directory.rmdir()
+                with contextlib.suppress(OSError):  # something else wrote there meanwhile: it stays
+                    directory.rmdir()
     return None
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kiln.core.forward_batch import ForwardBatch, Pieces
+from kiln.layers.activation import check_hidden_act
 from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kiln.layers.moe import (
@@ -28,7 +29,7 @@ from kiln.layers.moe import (
     num_routed_experts,
 )
 from kiln.layers.norm import RMSNorm
-from kiln.layers.rotary import check_choice, check_rope_type, deinterleave, softmax_scale
+from kiln.layers.rotary import check_rope_type, deinterleave, softmax_scale
 from kiln.models.config import MlaDims, ModelConfig
 from kiln.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -48,7 +49,7 @@ def check_config(hf_config: Any) -> None:
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("model config attention_bias true is not implemented by Kiln (accepted: false)")
     check_rope_type(hf_config)
-    check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), ("silu",))
+    check_hidden_act(hf_config)
     if num_routed_experts(hf_config):
         moe_spec(hf_config)
 

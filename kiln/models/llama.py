@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from kiln.core.forward_batch import ForwardBatch, Pieces
-from kiln.layers.activation import silu_and_mul
+from kiln.layers.activation import check_hidden_act, silu_and_mul
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
-from kiln.layers.rotary import RotaryEmbedding, check_choice, check_rope_type
+from kiln.layers.rotary import RotaryEmbedding, check_rope_type
 from kiln.models.config import ModelConfig
 from kiln.models.weight_utils import default_weight_loader
 
@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         """Refuses, naming the field, a config this model would run as a near miss: called before any weight is
         allocated, and by `kiln plan` (kiln.models.registry.check_model_config)."""
         check_rope_type(hf_config)
-        check_choice("hidden_act", getattr(hf_config, "hidden_act", "silu"), ("silu",))
+        check_hidden_act(hf_config)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -23,6 +23,7 @@ from torch import nn
 from kiln.core.forward_batch import ForwardBatch, ForwardMode, Pieces
 from kiln.core.layer_kinds import LINEAR_ATTENTION
 from kiln.distributed import ep_size, tp_size
+from kiln.layers.activation import check_hidden_act
 from kiln.layers.fp8_linear import as_dtype
 from kiln.layers.gated_delta import (
     causal_conv1d_decode,
@@ -40,7 +41,7 @@ from kiln.layers.moe import (
     load_expert_weights,
     num_routed_experts,
 )
-from kiln.layers.rotary import RotaryEmbedding, check_choice, check_rope_type
+from kiln.layers.rotary import RotaryEmbedding, check_rope_type
 from kiln.models.config import LinearAttentionSpec, ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.qwen3_moe import moe_spec
@@ -68,7 +69,7 @@ STACKED_PARAMS: list[tuple[str, str, str | int]] = [
 def check_config(hf: Any) -> None:
     """Refuses, naming the field or flag, what transformers' Qwen3-Next would run and Kiln does not."""
     check_rope_type(hf)
-    check_choice("hidden_act", getattr(hf, "hidden_act", "silu"), ("silu",))
+    check_hidden_act(hf)
     if num_routed_experts(hf):
         moe_spec(hf)
     if tp_size() > 1 or ep_size() > 1:

@@ -367,7 +367,8 @@ def kv_storage(args: ServerArgs, runner: ModelRunner) -> FileStorageTier | None:
     }
     tensors = [copyable(t) for t in (*runner.kv_pool.k, *runner.kv_pool.v)]
     block = math.lcm(storage_tier.DEFAULT_BLOCK_TOKENS, args.page_size)
-    root = storage_dir(args) or storage_tier.default_storage_dir()
+    root = storage_dir(args)
+    assert root is not None  # the file backend has a directory, given or the default
     return FileStorageTier(root, storage_tier.model_fingerprint(identity), tensors, block)
 
 

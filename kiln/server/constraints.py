@@ -59,18 +59,32 @@ def check_constraint(params: SamplingParams, grammar_backend: str, param: str | 
 
 def check_tool_parameters(tools: list[Tool] | None) -> None:
     """Refuse a tool whose parameters are no JSON schema of an object, whatever tool_choice is (as OpenAI's API):
-    the chat template renders it, and a call's arguments must read back as an object. Keywords the grammar
-    backend cannot enforce pass here (llguidance's lenient mode); a constrained tool_choice refuses them."""
+    the chat template renders it, and a call's arguments must read back as an object. Only the shape is checked
+    here (type, properties, required): a keyword, pattern or remote $ref the grammar backend cannot enforce is
+    fine where nothing constrains the output, and a constrained tool_choice has the backend check it all."""
     for i, tool in enumerate(tools or []):
-        parameters, where = tool.function.parameters, f"tools.{i}.function.parameters"
-        kind = parameters.get("type", "object")
-        if kind != "object":
-            raise InvalidParam(
-                where, f"a function's parameters are a JSON schema of type object, not {kind!r}"
-            )
-        refusal = _refusal("json_schema", json.dumps({**parameters, "x-guidance": {"lenient": True}}))
-        if refusal is not None:
-            raise InvalidParam(where, f"not a valid JSON schema ({refusal})")
+        problem = _object_schema_problem(tool.function.parameters)
+        if problem is not None:
+            raise InvalidParam(f"tools.{i}.function.parameters", f"not a JSON schema of an object: {problem}")
+
+
+def _object_schema_problem(schema: dict) -> str | None:
+    kind = schema.get("type", "object")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "object" not in kinds:
+        return f"type {kind!r} (a function's arguments are an object)"
+    if not all(k in _JSON_TYPES for k in kinds):
+        return f"type {kind!r} names no JSON type (one of {', '.join(sorted(_JSON_TYPES))})"
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(v, dict | bool) for v in properties.values()):
+        return "properties must map each argument's name to its schema"
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        return "required must be a list of argument names"
+    return None
+
+
+_JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 
 
 def grammar_compile_histogram(stats: SchedulerStats) -> HistogramMetricFamily:

@@ -132,8 +132,8 @@ def constraint_schema(tools: list[Tool], choice: str | NamedToolChoice, parallel
 def _call_schema(tool: Tool) -> dict:
     """SGLang's, and closed: an object with only these two keys, so that every output the grammar allows is
     read back as calls (without "type", an item could be any JSON value; so could arguments whose schema names
-    no type, and arguments are read back only as an object)."""
-    parameters = {"type": "object", **tool.function.parameters}
+    no type or several, and arguments are read back only as an object)."""
+    parameters = {**tool.function.parameters, "type": "object"}
     return {
         "type": "object",
         "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},

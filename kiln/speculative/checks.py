@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from kiln.config import ServerArgs
 from kiln.core.layer_kinds import text_config
-from kiln.loader.model_config import read_hf_config
-from kiln.speculative.draft_model import DRAFT_FLAG, check_same_vocab_size
+from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_hf_config
+from kiln.speculative.draft_model import check_same_vocab_size
 from kiln.speculative.eagle import check_head_vocabulary, head_class
 from kiln.speculative.nextn import check_has_mtp
 
@@ -21,7 +21,7 @@ def draft_refusal(args: ServerArgs, hf_config: dict) -> str | None:
             architecture = (hf_config.get("architectures") or ["?"])[0]
             check_has_mtp(args.model_path, architecture, target.get("num_nextn_predict_layers"))
         elif algorithm in ("STANDALONE", "EAGLE", "EAGLE3") and path:
-            draft, vocab = read_hf_config(path, flag=DRAFT_FLAG), int(target.get("vocab_size") or 0)
+            draft, vocab = read_hf_config(path, flag=DRAFT_MODEL_FLAG), int(target.get("vocab_size") or 0)
             if algorithm == "STANDALONE":
                 check_same_vocab_size(
                     args.model_path, vocab, path, int(text_config(draft).get("vocab_size") or 0)

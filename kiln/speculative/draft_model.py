@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
+from kiln.loader.model_config import DRAFT_MODEL_FLAG
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput, DraftTree
@@ -32,9 +33,6 @@ logger = logging.getLogger("kiln")
 
 # tokens of one catch-up at most: a prompt the draft has not seen goes in chunks, as the target's prefill
 CATCH_UP_CHUNK = 2048
-
-
-DRAFT_FLAG = "--speculative-draft-model-path"
 
 
 class DraftRefused(ValueError):
@@ -471,7 +469,7 @@ def check_same_vocab_size(target_path: str, target_size: int, draft_path: str, d
     if target_size != draft_size:
         raise DraftRefused(
             f"draft model {draft_path} has a vocabulary of {draft_size} tokens, the target {target_path} "
-            f"{target_size}: --speculative-draft-model-path needs a draft with the target's vocabulary"
+            f"{target_size}: {DRAFT_MODEL_FLAG} needs a draft with the target's vocabulary"
         )
 
 
@@ -504,7 +502,7 @@ def build_standalone_drafter(
     from kiln.loader.model_config import read_hf_config
     from kiln.text.tokenizer import load_tokenizer
 
-    cfg = ModelConfig.from_hf_dict(path, read_hf_config(path, flag=DRAFT_FLAG))
+    cfg = ModelConfig.from_hf_dict(path, read_hf_config(path, flag=DRAFT_MODEL_FLAG))
     target_cfg = target.model_config
     check_same_vocabulary(
         (target_cfg.model_path, target_cfg.vocab_size, target_tokenizer),

@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.loader.model_config import read_hf_config
+from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_hf_config
 from kiln.loader.weights import build_materialized, iter_safetensors
 from kiln.models.config import ModelConfig
 from kiln.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3, eagle3_capture_layers
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput
-from kiln.speculative.draft_model import DRAFT_FLAG, ChainDrafter, DraftRefused, _Sequence
+from kiln.speculative.draft_model import ChainDrafter, DraftRefused, _Sequence
 from kiln.speculative.head_kv import TargetSlotKV, head_pool_sizes, target_pool_rows
 
 HEADS: dict[str, type[nn.Module]] = {
@@ -97,7 +97,7 @@ class EagleDrafter(TargetSlotKV, ChainDrafter):
 
 
 def read_draft_config(path: str) -> dict:
-    return read_hf_config(path, flag=DRAFT_FLAG)
+    return read_hf_config(path, flag=DRAFT_MODEL_FLAG)
 
 
 def head_class(config: dict) -> type[nn.Module]:
