@@ -221,7 +221,9 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ),
     *_group(
         "Kiln has no batch-invariant kernels: a sampled request is reproducible by its seed, not across "
-        "batches",
+        "batches or prefix-cache hits (a prompt whose prefix is cached computes its attention in another "
+        "order: under --cpu-gemm auto, whose int8 activations amplify that, logprobs move by up to ~0.2 on the "
+        "default model; under --cpu-gemm exact by ~1e-5)",
         switches="--enable-deterministic-inference",
         values="--rl-on-policy-target",
     ),
