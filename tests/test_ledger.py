@@ -91,6 +91,8 @@ def test_weight_bytes_match_transformers_parameter_counts():
         tf.LlamaConfig(**small, tie_word_embeddings=True, attention_bias=True),
         tf.Qwen2Config(**small),
         tf.Qwen3Config(**small, head_dim=32),
+        tf.Qwen3Config(**small, head_dim=32, attention_bias=True),
+        tf.MistralConfig(**small, attention_bias=True),  # transformers' Mistral has no biases whatever it says
         tf.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2),
         tf.Qwen3MoeConfig(**small, num_experts=4, moe_intermediate_size=32, mlp_only_layers=[0]),
         tf.DeepseekV3Config(**small, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
