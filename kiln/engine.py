@@ -8,9 +8,13 @@ offline batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
+import typing
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam, SamplingParams
@@ -71,6 +75,8 @@ class Engine:
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict]:
+        if self.scheduler is None:
+            raise RuntimeError("this kiln.Engine is shut down: create another")
         single = isinstance(prompt, str) or (
             input_ids is not None and input_ids and isinstance(input_ids[0], int)
         )
@@ -79,6 +85,8 @@ class Engine:
             ids_list = [self.tokenizer.encode(p) for p in prompts]
         else:
             ids_list = [input_ids] if single else list(input_ids or [])
+        if not ids_list:  # as SGLang's Engine: a call without a prompt is an error, not an empty answer
+            raise InvalidParam("prompt", "either a prompt or input_ids should be given")
         sp = sampling_params or {}
         sps = sp if isinstance(sp, list) else [sp] * len(ids_list)
         params = [_sampling_params(p) for p in sps]
@@ -109,10 +117,26 @@ class Engine:
         self.scheduler = None  # type: ignore[assignment]
 
 
+# what SamplingParams takes besides its own types (normalize() turns them into those)
+_ALSO_ACCEPTED = {"stop": str | list[str] | None, "stop_token_ids": list[int] | None}
+
+
+@functools.cache
+def _field_type(name: str) -> TypeAdapter:
+    return TypeAdapter(_ALSO_ACCEPTED.get(name) or typing.get_type_hints(SamplingParams)[name])
+
+
 def _sampling_params(given: dict) -> SamplingParams:
-    """A request's sampling params; a key SamplingParams does not have is refused by its name."""
+    """A request's sampling params; a key SamplingParams does not have, or a value not of its type, is refused by
+    its name (as /generate's 400 names it), never left to fail inside a comparison."""
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     unknown = sorted(set(given) - known)
     if unknown:
         raise InvalidParam(unknown[0], f"{unknown[0]!r} is not a sampling parameter")
-    return SamplingParams(**given).normalize()
+    values = {}
+    for key, value in given.items():
+        try:
+            values[key] = _field_type(key).validate_python(value)
+        except ValidationError as e:
+            raise InvalidParam(key, f"{key!r}: {e.errors()[0]['msg']}") from None
+    return SamplingParams(**values).normalize()

@@ -292,13 +292,30 @@ def test_bad_sampling_params_raise_naming_the_key(engines: Engines) -> None:
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"bogus": 1}, "bogus"),
+        # values of the wrong type: named, not a TypeError from inside a comparison
+        ({"stop": 5}, "stop"),
+        ({"max_new_tokens": "ten"}, "max_new_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stop_token_ids": "x"}, "stop_token_ids"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ]:
         with pytest.raises(InvalidParam) as bad:
             eng.generate(input_ids=[1, 2, 3], sampling_params=params)
         assert bad.value.param == key
     with pytest.raises(InvalidParam, match="got 2 sampling params for 3 prompts"):
         eng.generate(input_ids=[[1, 2], [3, 4], [5, 6]], sampling_params=[{"max_new_tokens": 1}] * 2)
+    for nothing in ({}, {"prompt": []}, {"input_ids": []}):  # SGLang's Engine refuses a call without a prompt
+        with pytest.raises(InvalidParam, match="either a prompt or input_ids"):
+            eng.generate(**nothing, sampling_params={"max_new_tokens": 1})
+    assert eng.generate(input_ids=[1, 2], sampling_params={"stop": "x", "max_new_tokens": 1})["output_ids"]
     assert_idle(eng)
+
+
+def test_a_shut_down_engine_says_so(model_path: str) -> None:
+    eng = kiln.Engine(model_path=model_path, max_total_tokens=1024)
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
 
 
 def test_all_batched(engines: Engines, ref: Reference) -> None:
