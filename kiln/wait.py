@@ -13,7 +13,7 @@ from typing import TextIO
 import httpx
 from tqdm import tqdm
 
-from kiln.core.argtypes import positive_float
+from kiln.core.argtypes import positive_float, server_url
 from kiln.server.startup import PHASES
 
 # Without a terminal: the most often a phase's changed progress is logged again (its first line is immediate).
@@ -145,7 +145,7 @@ def _kernel_detail(progress: dict) -> str:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("wait", help="wait for a starting server to be ready, showing its phases")
-    p.add_argument("url", nargs="?", default="http://127.0.0.1:30000")
+    p.add_argument("url", nargs="?", type=server_url, default="http://127.0.0.1:30000")
     p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds (default 900)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=lambda ns: wait(ns.url, ns.timeout, quiet=ns.quiet))

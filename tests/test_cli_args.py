@@ -55,6 +55,11 @@ def _refused(argv: list[str], capsys) -> str:
         (["bench", "serve", "--extra-request-body", "{not json"], "--extra-request-body"),
         (["wait", "--timeout", "-5"], "--timeout"),
         (["wait", "--timeout", "0"], "--timeout"),
+        # a word that is no server URL was tried until the timeout
+        (["wait", "notaurl"], "url"),
+        (["wait", "127.0.0.1:30000"], "url"),
+        (["wait", "http://127.0.0.1:99999"], "url"),
+        (["bench", "serve", "--base-url", "foo"], "--base-url"),
     ],
 )
 def test_nonsense_numbers_are_refused_naming_the_flag(argv, flag, capsys):
@@ -271,3 +276,13 @@ def test_wait_reads_a_routers_health_where_there_is_no_status(capsys):
         srv.shutdown()
         srv.server_close()
     assert polls["health"] == 3 and "is ready" in capsys.readouterr().out
+
+
+def test_bench_serve_against_no_server_is_one_line_and_exit_1(capsys):
+    """It printed a traceback."""
+    from kiln.bench.cli import main
+
+    argv = ["serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--dataset-name", "random"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "kiln bench serve: error: warm-up request to http://127.0.0.1:9" in err and "Traceback" not in err

@@ -16,6 +16,7 @@ from kiln.core.argtypes import (
     port,
     positive_float,
     positive_int,
+    server_url,
 )
 
 # A check over several parsed flags: the problem in words, or None.
@@ -57,9 +58,15 @@ def _dataset_path_given(ns: argparse.Namespace) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kiln.bench.serve import run_serve
+    import httpx
 
-    record = run_serve(args)
+    from kiln.bench.serve import ServerUnusable, run_serve
+
+    try:
+        record = run_serve(args)
+    except (ServerUnusable, httpx.HTTPError) as e:
+        print(f"kiln bench serve: error: {e}", file=sys.stderr)
+        return 1
     return 0 if record["completed"] > 0 else 1
 
 
@@ -131,7 +138,12 @@ def _add_serve(sub: Any) -> None:
         choices=[*ENDPOINTS, *BACKEND_ALIASES],
         help="openai: /v1/completions; openai-chat: /v1/chat/completions; kiln: native /generate",
     )
-    a("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:30000 (default: --host/--port)")
+    a(
+        "--base-url",
+        type=server_url,
+        default=None,
+        help="server URL, e.g. http://127.0.0.1:30000 (default: --host/--port)",
+    )
     a("--host", default="127.0.0.1")
     a("--port", type=port, default=30000)
     a("--model", default=None, help="model name sent to OpenAI endpoints (default: the server's first)")

@@ -177,11 +177,15 @@ async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | N
         return "default"
 
 
+class ServerUnusable(RuntimeError):
+    """The server cannot be benchmarked (it does not answer, or refuses the warm-up): a one-line error, exit 1."""
+
+
 async def flush_cache(client: httpx.AsyncClient, base_url: str) -> None:
     """POST /flush_cache, so that the run does not start on prompts the warm-up left in the prefix cache."""
     resp = await client.post(base_url + "/flush_cache", timeout=60)
     if resp.status_code != 200:
-        raise RuntimeError(f"POST {base_url}/flush_cache answered {resp.status_code}: {resp.text[:300]}")
+        raise ServerUnusable(f"POST {base_url}/flush_cache answered {resp.status_code}: {resp.text[:300]}")
 
 
 def server_tokenizer(base_url: str) -> str | None:
@@ -250,7 +254,7 @@ async def benchmark(args: Any, convs: list[Conversation], tok) -> tuple[list[Req
             inp = request_input(backend, convs[0], [], 0, tok)
             rec = await one(RequestInput(inp.prompt, inp.prompt_len, min(inp.output_len, 16)))
             if not rec.success:
-                raise RuntimeError(f"warm-up request to {base_url}{ENDPOINTS[backend]} failed: {rec.error}")
+                raise ServerUnusable(f"warm-up request to {base_url}{ENDPOINTS[backend]} failed: {rec.error}")
         if getattr(args, "flush_cache", False):
             await flush_cache(client, base_url)
 

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 
 def _describe(kind: type, lo: float, hi: float, lo_open: bool) -> str:
@@ -56,4 +57,19 @@ def key_value(text: str) -> str:
     """KEY=VALUE, kept as text."""
     if "=" not in text or text.startswith("="):
         raise argparse.ArgumentTypeError(f"must be KEY=VALUE, got {text!r}")
+    return text
+
+
+def server_url(text: str) -> str:
+    """An http(s) URL with a host (a server to reach): a word that is none would be tried until a timeout."""
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+    except ValueError as e:
+        message = f"must be an http(s) URL such as http://127.0.0.1:30000, got {text!r} ({e})"
+        raise argparse.ArgumentTypeError(message) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(
+            f"must be an http(s) URL such as http://127.0.0.1:30000, got {text!r}"
+        )
     return text
