@@ -7,7 +7,6 @@ offline batches.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import time
@@ -122,15 +121,19 @@ _ALSO_ACCEPTED = {"stop": str | list[str] | None, "stop_token_ids": list[int] | 
 
 
 @functools.cache
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(SamplingParams)
+
+
+@functools.cache
 def _field_type(name: str) -> TypeAdapter:
-    return TypeAdapter(_ALSO_ACCEPTED.get(name) or typing.get_type_hints(SamplingParams)[name])
+    return TypeAdapter(_ALSO_ACCEPTED.get(name) or _field_types()[name])
 
 
 def _sampling_params(given: dict) -> SamplingParams:
     """A request's sampling params; a key SamplingParams does not have, or a value not of its type, is refused by
     its name (as /generate's 400 names it), never left to fail inside a comparison."""
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(given) - known)
+    unknown = sorted(set(given) - set(_field_types()))
     if unknown:
         raise InvalidParam(unknown[0], f"{unknown[0]!r} is not a sampling parameter")
     values = {}

@@ -329,10 +329,9 @@ def _round_up(x: float) -> float:
 
 def _host_tier(inputs: LedgerInputs, pool: int) -> tuple[int, str]:
     """The host tier's bytes per rank, and how the flags give them."""
-    if inputs.hicache_size_gb > 0:
-        return int(
-            inputs.hicache_size_gb * 1e9
-        ), f"--hicache-size {inputs.hicache_size_gb:g} GB (1e9 B) per rank"
+    size = inputs.hicache_size_gb
+    if size > 0:
+        return int(size * 1e9), f"--hicache-size {size:g} GB (1e9 B) per rank"
     return int(inputs.hicache_ratio * pool), f"--hicache-ratio {inputs.hicache_ratio:g} x KV pool {gib(pool)}"
 
 

@@ -156,8 +156,8 @@ def _attn_params(cfg: dict, tp: int) -> float:
     hd, kvr = head_dim(cfg), kv_heads_per_rank(kv_heads(cfg), tp)
     params = 2 * h * nh * hd / tp + 2 * h * kvr * hd
     # the biases transformers gives: attention_bias on all four projections, Qwen2's on q, k, v always, Mistral none
-    qwen2, bias = cfg.get("model_type") in ("qwen2", "qwen2_moe"), cfg.get("model_type") != "mistral"
-    bias = bias and bool(cfg.get("attention_bias"))
+    qwen2 = cfg.get("model_type") in ("qwen2", "qwen2_moe")
+    bias = bool(cfg.get("attention_bias")) and cfg.get("model_type") != "mistral"
     if bias or qwen2:
         params += nh * hd / tp + 2 * kvr * hd + (h if bias and not qwen2 else 0)
     if str(cfg.get("model_type", "")).startswith("qwen3"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kiln.text.tool_parsers.cursor import Cursor, Incomplete, Malformed
+from kiln.text.tool_parsers.cursor import Cursor, Malformed
 
 _NAME_CHARS = re.compile(r"[\w.\-]+")
 _KIMI_ID_CHARS = re.compile(r"[\w.\-:\s]+")
@@ -122,27 +122,12 @@ class Llama3Format(ToolCallFormat):
             if not cursor.starts_with(";"):
                 return
             cursor.pos += 1
-            start = cursor.pos
             try:
                 read_call_object(cursor, names, drafts)
             except Malformed:  # the calls end at the last whole one; the rest is text (as SGLang reads them)
-                if cursor.final and _ends_inside_call(cursor.text, start, names):
-                    raise Incomplete from None  # cut by the end of the output: as the stream read it
                 drafts.pop()
                 cursor.pos = end
                 return
-
-
-def _ends_inside_call(text: str, start: int, names: frozenset[str]) -> bool:
-    """Whether the output ends inside a call object that begins at `start` (a final cursor finds a literal
-    missing where a stream's still waits for it)."""
-    try:
-        read_call_object(Cursor(text, start), names, [])
-    except Incomplete:
-        return True
-    except Malformed:
-        return False
-    return False
 
 
 class MistralFormat(ToolCallFormat):

@@ -60,16 +60,19 @@ def scan(
                 checkpoint = Checkpoint(pos + lead + len(piece), False, "".join(pieces), tuple(calls))
             break
         before = text[pos:begin].lstrip() if after_call else text[pos:begin]
+        # the whole output is first read as the stream read it: a region it ends inside keeps its named calls
+        cut = _cut_short(fmt, text, begin, names) if final else None
         cursor, drafts = Cursor(text, begin, final), []
-        try:
-            fmt.read_region(cursor, names, drafts)
-        except (Incomplete, Malformed) as error:
-            held = drafts if isinstance(error, Incomplete) else None  # still arriving, while streaming
-            cut = _cut_short(fmt, text, begin, names) if final else held
-            if cut is None:
-                pieces.append(before + text[begin])
-                pos, after_call = begin + 1, False
-                continue
+        if cut is None:
+            try:
+                fmt.read_region(cursor, names, drafts)
+            except (Incomplete, Malformed) as error:
+                if final or isinstance(error, Malformed):
+                    pieces.append(before + text[begin])
+                    pos, after_call = begin + 1, False
+                    continue
+                cut = drafts  # still arriving: held back while streaming
+        if cut is not None:
             pieces.append(before.rstrip())
             calls.extend(_call_drafts(text, cut))
             break
@@ -82,7 +85,8 @@ def scan(
 
 def _cut_short(fmt: ToolCallFormat, text: str, begin: int, names: frozenset[str]) -> list[Draft] | None:
     """The calls of a region the whole output ends inside, as the stream read them (its cursor waits for more
-    where a final one finds a literal missing): those whose names were whole; None where there are none."""
+    where a final one finds a literal missing, or a format ends its calls early): those whose names were whole;
+    None where there are none, or where the region does not run to the end."""
     drafts: list[Draft] = []
     try:
         fmt.read_region(Cursor(text, begin), names, drafts)
