@@ -7,10 +7,12 @@ offline batches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import time
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -50,32 +52,64 @@ class Engine:
         self.parts = build_engine(ServerArgs(**kwargs))
         self.scheduler = self.parts.scheduler
         self.tokenizer = self.parts.tokenizer
+        self._busy = False  # a call's requests are in the scheduler (a stream not yet read to its end)
 
-    def _run(self, reqs: list[GenerateReq]) -> dict[str, dict]:
+    def _outputs(self, reqs: list[GenerateReq]) -> Iterator[tuple[str, OutputAccumulator]]:
+        """Each output of `reqs` as it arrives, with its request's outputs so far. A caller that stops early (a
+        stream closed before its end) aborts the requests still running, so their pages come back."""
         acc = {r.rid: OutputAccumulator() for r in reqs}
-        done: dict[str, dict] = {}
-        t0 = time.time()
+        pending = set(acc)
+        self._busy = True
         for r in reqs:
             self.scheduler.add_request(r)
-        while len(done) < len(reqs):
-            outs = self.scheduler.step()
-            if not outs and not self.scheduler.has_work:
-                break
-            for o in outs:
-                acc[o.rid].add(o)
-                if o.finished:
-                    done[o.rid] = output_dict(acc[o.rid], t0)
-        self.scheduler.drain()  # the overlap's step in flight: the extra rows of requests that already ended
-        return done
+        try:
+            while pending:
+                outs = self.scheduler.step()
+                if not outs and not self.scheduler.has_work:
+                    break
+                for o in outs:
+                    acc[o.rid].add(o)
+                    if o.finished:
+                        pending.discard(o.rid)
+                    yield o.rid, acc[o.rid]
+        finally:
+            for rid in pending:
+                self.scheduler.abort(AbortReq(rid=rid, message="the caller closed the stream"))
+            self.scheduler.drain()  # the overlap's step in flight: the extra rows of requests that already ended
+            if pending:
+                self.scheduler.take_outputs()  # the aborts' outputs: nobody is left to read them
+            self._busy = False
+
+    def _run(self, reqs: list[GenerateReq]) -> dict[str, dict]:
+        t0 = time.time()
+        return {rid: output_dict(r, t0) for rid, r in self._outputs(reqs) if r.output.finished}
+
+    def _stream(self, warm: list[GenerateReq], reqs: list[GenerateReq], single: bool) -> Iterator[dict]:
+        if warm:
+            self._run(warm)
+        index = {r.rid: k for k, r in enumerate(reqs)}
+        t0 = time.time()
+        with contextlib.closing(self._outputs(reqs)) as outputs:  # closed early, it aborts at once
+            for rid, result in outputs:
+                chunk = output_dict(result, t0)
+                if not single:
+                    chunk["index"] = index[rid]
+                yield chunk
 
     def generate(
         self,
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-    ) -> dict | list[dict]:
+        stream: bool = False,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """As SGLang's Engine.generate. With stream=True it checks the call at once and returns an iterator of
+        chunks: each holds its generation's text and ids so far, and `index` (its place among the call's
+        generations) when the call has more than one; closing the iterator early aborts what is still running."""
         if self.scheduler is None:
             raise RuntimeError("this kiln.Engine is shut down: create another")
+        if self._busy:  # one scheduler, stepped by whoever reads: two readers would take each other's outputs
+            raise RuntimeError("this kiln.Engine has a stream open: read it to its end or close() it first")
         single = isinstance(prompt, str) or (
             input_ids is not None and input_ids and isinstance(input_ids[0], int)
         )
@@ -94,12 +128,17 @@ class Engine:
         ):  # raised to the caller, as SGLang's Engine does, not an abort result
             validate_request(ids, p, self.scheduler.limits)
         plan = fan_out(ids_list, params)
-        if plan.warm:
-            self._run([GenerateReq(f"warm-{next(_ids)}", ids, prefill_only_params()) for ids in plan.warm])
+        warm = [GenerateReq(f"warm-{next(_ids)}", ids, prefill_only_params()) for ids in plan.warm]
         groups = [
-            [GenerateReq(f"req-{next(_ids)}", list(s.input_ids), s.params) for s in g] for g in plan.groups()
+            [GenerateReq(f"req-{next(_ids)}", list(s.input_ids), s.params, stream) for s in g]
+            for g in plan.groups()
         ]
-        done = self._run([r for group in groups for r in group])
+        reqs = [r for group in groups for r in group]
+        if stream:
+            return self._stream(warm, reqs, single and len(reqs) == 1)
+        if warm:
+            self._run(warm)
+        done = self._run(reqs)
         results = [done[g[0].rid] if len(g) == 1 else [done[r.rid] for r in g] for g in groups]
         return results[0] if single else results
 

@@ -318,6 +318,33 @@ def test_a_shut_down_engine_says_so(model_path: str) -> None:
         eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
 
 
+def test_streamed_chunks_end_as_the_call_does(engines: Engines, ref: Reference) -> None:
+    """stream=True (SGLang's Engine): each generation's chunks grow one another and end at the reference
+    tokens; a stream closed early aborts what still runs and gives its pages back."""
+    eng = engines.get()
+    cases = ref.prompts[:3]
+    chunks = list(
+        eng.generate(input_ids=[c.ids for c in cases], sampling_params=[greedy() for _ in cases], stream=True)
+    )
+    outs = []
+    for k, case in enumerate(cases):
+        mine = [c for c in chunks if c["index"] == k]
+        assert len(mine) == len(case.ref), f"generation {k}: {len(mine)} chunks"  # one a token
+        assert all(b["output_ids"][: len(a["output_ids"])] == a["output_ids"] for a, b in zip(mine, mine[1:]))
+        assert all(b["text"].startswith(a["text"]) for a, b in zip(mine, mine[1:]))
+        assert mine[-1]["meta_info"]["finish_reason"] is not None
+        outs.append(mine[-1])
+    assert_same(outs, cases, "streamed")
+    stream = eng.generate(input_ids=cases[0].ids, sampling_params=greedy(64, ignore_eos=True), stream=True)
+    first = next(stream)
+    assert "index" not in first and len(first["output_ids"]) == 1
+    with pytest.raises(RuntimeError, match="stream open"):
+        eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+    stream.close()
+    assert_idle(eng)
+    assert eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})["output_ids"]
+
+
 def test_all_batched(engines: Engines, ref: Reference) -> None:
     eng = engines.get()
     calls = spy_forward(eng)
