@@ -146,7 +146,18 @@ class ServerArgs:
     disable_metrics: bool = _f(False, "do not serve Prometheus /metrics")
     watchdog_timeout: float = _f(300.0, "seconds a forward step or startup phase may make no progress")
     log_level: str = _f("info", "logging level")
-    log_requests: bool = _f(False, "log every request")
+    log_requests: bool = _f(
+        False, "log every request: its prompt and changed sampling parameters, then its finish and text"
+    )
+    log_level_http: str | None = _f(
+        None,
+        "the HTTP server's (uvicorn's) logging level, its access lines at info; default: --log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    uvicorn_access_log_exclude_prefixes: tuple[str, ...] = _f(
+        (),
+        "paths whose access lines are not logged, e.g. /health /metrics /status (probes and kiln wait's polls)",
+    )
     load_format: str = _f(
         "auto",
         "auto | safetensors | gguf: what the model path holds (FP8 block-quantized safetensors kept in FP8 on CUDA from "
@@ -413,6 +424,9 @@ def _add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> No
         return
     if str(f.type) == "tuple[int, ...] | None":
         parser.add_argument(*flags, type=int, nargs="+", **kw)
+        return
+    if str(f.type) == "tuple[str, ...]":
+        parser.add_argument(*flags, nargs="*", **kw)
         return
     if "choices" in f.metadata:
         choices = f.metadata["choices"]

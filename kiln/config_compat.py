@@ -149,11 +149,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         values="--torch-compile-max-bs",
     ),
     *_group(
-        "Kiln's HTTP server (uvicorn) logs warnings and errors only; --log-requests logs the requests",
-        values="--log-level-http",
-        agreeing=("warning",),
-    ),
-    *_group(
         "Kiln has no request-log levels, formats or targets: --log-requests is its one switch",
         values="--log-requests-level --log-requests-format",
         lists="--log-requests-target",
@@ -587,7 +582,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
             "--ssl-keyfile-password --admin-api-key "
             "--smg-http-sidecar-port|--grpc-http-sidecar-port --grpc-response-timeout-secs"
         ),
-        any_lists="--uvicorn-access-log-exclude-prefixes",
     ),
     *_group(
         "Kiln has no file storage, tool servers, response store or watermarking",
@@ -643,7 +637,8 @@ SGLANG_NATIVE_FLAGS: tuple[str, ...] = tuple(
     "--disable-radix-cache --dist-init-addr --nccl-init-addr --nnodes --node-rank --tp-size "
     "--tensor-parallel-size --dp-size --data-parallel-size --device --random-seed --watchdog-timeout --host "
     "--port --skip-server-warmup --api-key --served-model-name --chat-template --stream-interval "
-    "--log-level --log-requests --decode-log-interval --grammar-backend --cuda-graph-max-bs-decode "
+    "--log-level --log-level-http --uvicorn-access-log-exclude-prefixes --log-requests --decode-log-interval "
+    "--grammar-backend --cuda-graph-max-bs-decode "
     "--cuda-graph-max-bs-prefill --cuda-graph-bs-decode --cuda-graph-bs-prefill "
     "--disable-prefill-cuda-graph --ep-size --expert-parallel-size --ep --enable-hierarchical-cache "
     "--enable-hicache --hicache-ratio --hicache-size --hicache-write-policy --hicache-storage-backend "

@@ -106,6 +106,10 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
                     file=sys.stderr,
                 )
                 return 1
+            if phase == "shutting_down":
+                bar.close()
+                print(f"kiln wait: {url} is shutting down", file=sys.stderr)
+                return 1
             step = PHASES.index(phase) if phase in PHASES else None
             bar.show(step, describe(phase, status.get("progress") or {}))
             last_phase = phase

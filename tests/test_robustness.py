@@ -424,3 +424,35 @@ class _Chain:
     def iter_lines(self):
         yield self.first
         yield from self.rest
+
+
+def test_a_second_signal_ends_the_drain_at_once(servers):
+    """SIGTERM drains (/status says shutting_down); a second signal (SIGINT, an operator's Ctrl-C) aborts what is
+    still running at once: the stream still ends with its abort chunk and [DONE], and the exit is a clean 0, not
+    uvicorn's forced one (exit 130, cancelled streams, tracebacks)."""
+    srv = servers["main"]  # --shutdown-timeout 30: a long stream outlasts it unless the second signal cuts it
+    result: list = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "A long story:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.url}{CMPL}", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            head = next(line for line in lines if line.startswith("data: "))
+            started.set()
+            result.append(read_sse(_Chain(head, lines)))
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(120), "the stream never started"
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert httpx.get(f"{srv.url}/status", timeout=10).json()["phase"] == "shutting_down"
+    t0 = time.time()
+    os.kill(srv.proc.pid, signal.SIGINT)
+    thread.join(60)
+    assert srv.proc.wait(60) == 0, srv.log_text()[-3000:]
+    assert time.time() - t0 < 15, "the second signal did not end the drain"
+    (chunks, done), log = result[0], srv.log_text()
+    assert done and [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "abort"
+    assert "Traceback" not in log and "Kiln stopped" in log, log[-3000:]

@@ -4,11 +4,17 @@ where it started."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 from conftest import ServerProcess
 
@@ -233,3 +239,45 @@ def test_pool_back_at_baseline(server, baseline):
     assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
     after = info(server.url)["integrity"]
     assert after == baseline
+
+
+def test_a_signal_during_startup_stops_it_cleanly(tiny_llama, tmp_path):
+    """SIGTERM while the model loads: nothing to drain, so the server stops at once and exits 0, its engine
+    process reaped, without uvicorn re-raising the signal (exit 143) or leaked-semaphore warnings."""
+    srv = ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", "1024"], tmp_path / "serve.log")
+    try:
+        deadline = time.time() + 120
+        phase = None
+        while time.time() < deadline and srv.proc.poll() is None:
+            try:
+                phase = httpx.get(f"{srv.url}/status", timeout=5).json()["phase"]
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert phase not in (None, "ready", "failed"), phase
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.log_text()[-3000:]
+        log = srv.log_text()
+        assert "Shutting down during startup" in log and "Kiln stopped" in log, log[-3000:]
+        assert "Traceback" not in log and "leaked" not in log, log[-3000:]
+        assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        srv.stop()
+
+
+def test_a_port_in_use_is_one_line_before_the_engine_starts(tiny_llama, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "kiln.cli", "serve", "--model-path", tiny_llama, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert proc.returncode == 1
+    out = proc.stdout + proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out and "--port" in out, out
+    assert "Traceback" not in out and "Load weight" not in out, out

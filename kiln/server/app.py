@@ -262,6 +262,8 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
     @app.get("/status")
     async def status():
         body = state.startup.to_dict()
+        if state.shutting_down and not state.startup.failed:  # draining, or stopped during startup
+            body["phase"] = "shutting_down"
         if state.info is not None and state.info.memory_check_per_rank is not None:
             body["memory_check_per_rank"] = state.info.memory_check_per_rank
         return body

@@ -4,11 +4,12 @@ and aborts a request whose handler went away (client disconnect)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -31,6 +32,54 @@ from kiln.scheduler.output import OutputProcessor
 logger = logging.getLogger("kiln")
 
 
+class RequestLog:
+    """--log-requests: a line when a request arrives (its prompt and the sampling parameters it changed) and one
+    when it ends (finish reason, token counts, latency, its text), as SGLang's `Receive:` / `Finish:` lines; texts
+    are cut at MAX_CHARS."""
+
+    MAX_CHARS = 2048
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.texts: dict[str, list[str]] = {}
+
+    def receive(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        self.texts[rid] = []
+        changed = {
+            f.name: getattr(params, f.name)
+            for f in dataclasses.fields(params)
+            if getattr(params, f.name) != getattr(_DEFAULT_PARAMS, f.name)
+        }
+        logger.info(
+            f"Receive: rid={rid}, prompt_tokens={len(input_ids)}, sampling_params={changed}, "
+            f"text={self._clip(self.decode(input_ids))!r}"
+        )
+
+    def output(self, out: ReqOutput, start: float) -> None:
+        parts = self.texts.setdefault(out.rid, [])
+        parts.append(out.text_delta)
+        if not out.finished:
+            return
+        del self.texts[out.rid]
+        reason = out.finish_reason or {}
+        logger.info(
+            f"Finish: rid={out.rid}, finish_reason={reason.get('type')}, prompt_tokens={out.prompt_tokens}, "
+            f"completion_tokens={out.completion_tokens}, cached_tokens={out.cached_tokens}, "
+            f"e2e_latency={time.time() - start:.3f}, text={self._clip(''.join(parts))!r}"
+            + (f", error={out.error}" if out.error else "")
+        )
+
+    def went_away(self, rid: str) -> None:
+        self.texts.pop(rid, None)
+        logger.info(f"Abort: rid={rid} (its client went away)")
+
+    def _clip(self, text: str) -> str:
+        return text if len(text) <= self.MAX_CHARS else text[: self.MAX_CHARS] + "..."
+
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
 class EngineClient:
     def __init__(self, engine_addr: str, front_addr: str):
         self._send = zmq.Context.instance().socket(zmq.PUSH)
@@ -44,6 +93,7 @@ class EngineClient:
         self.last_output_time = time.time()
         self._task: asyncio.Task | None = None
         self.metrics = None  # a kiln.server.metrics.Metrics, when /metrics is on
+        self.request_log: RequestLog | None = None  # --log-requests
         self.engine_stats = SchedulerStats()
 
     def start(self) -> None:
@@ -93,11 +143,16 @@ class EngineClient:
         self.queues[rid] = q
         finished = False
         start, first, prev = time.time(), None, None
+        log = self.request_log if observe else None
+        if log is not None:
+            log.receive(rid, input_ids, params)
         try:
             self._send.send_pyobj(GenerateReq(rid, input_ids, params, stream, deadline, log_metrics=observe))
             while True:
                 out: ReqOutput = await q.get()
                 finished = out.finished
+                if log is not None:
+                    log.output(out, start)
                 if self.metrics is not None and observe:
                     now = time.time()
                     if out.queue_time is not None:
@@ -115,6 +170,8 @@ class EngineClient:
             self.queues.pop(rid, None)
             if not finished:
                 self.abort(rid)
+                if log is not None:
+                    log.went_away(rid)
 
     async def collect(
         self,

@@ -9,6 +9,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import socket
 import tempfile
 import time
 
@@ -25,7 +26,7 @@ from kiln.scheduler.io import (
 from kiln.scheduler.validate import Limits
 from kiln.server.app import ServerState, create_app
 from kiln.server.connections import guarded_protocol
-from kiln.server.engine_client import EngineClient
+from kiln.server.engine_client import EngineClient, RequestLog
 from kiln.server.openai_api import OpenAIServing
 from kiln.server.ranks import RankProcesses, serve_ranks
 from kiln.server.startup import StartupState
@@ -37,18 +38,31 @@ DIE_GRACE_SECONDS = 3.0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, with the first SIGTERM/SIGINT turned into a graceful drain."""
+    """uvicorn, with SIGTERM/SIGINT made Kiln's: during startup the first stops it (nothing to drain); once ready
+    the first drains, the second aborts what is still running and exits, and only a third is uvicorn's own forced
+    exit. uvicorn's handler would also raise the signal again at exit (exit code 143 or 130, and tracebacks where
+    it cancels streams), which a clean stop asked for by its operator should not show."""
 
     def __init__(self, config: uvicorn.Config, launcher: Launcher):
         super().__init__(config)
         self.launcher = launcher
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.signals = 0
 
     def handle_exit(self, sig, frame) -> None:
-        if self.launcher.state.shutting_down or self.loop is None or not self.launcher.state.startup.ready:
+        launcher, self.signals = self.launcher, self.signals + 1
+        if self.loop is None or self.signals > 2:
             return super().handle_exit(sig, frame)
-        self.launcher.state.shutting_down = True
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.launcher.drain()))
+        if not launcher.state.startup.ready:
+            if not launcher.state.shutting_down and not launcher.state.startup.failed:
+                logger.info(f"Shutting down during startup (phase {launcher.state.startup.phase})")
+            launcher.state.shutting_down = True
+            self.should_exit = True
+        elif launcher.state.shutting_down:
+            self.loop.call_soon_threadsafe(launcher.cut_drain)
+        else:
+            launcher.state.shutting_down = True
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(launcher.drain()))
 
 
 class Launcher:
@@ -61,6 +75,7 @@ class Launcher:
         self.front_addr = f"ipc://{ipc_dir}/front"
         self.exit_code = 0
         self.server: _Server | None = None
+        self.drain_deadline = 0.0
         self.ranks = RankProcesses(self.args)
 
     @property
@@ -131,6 +146,8 @@ class Launcher:
         self.state.startup.draft_graphs = info.draft_graphs
         tokenizer = await tokenizer_future
         client = EngineClient(self.engine_addr, self.front_addr)
+        if self.args.log_requests:
+            client.request_log = RequestLog(tokenizer.decode)
         if not self.args.disable_metrics:
             from kiln.server.metrics import Metrics
 
@@ -235,8 +252,8 @@ class Launcher:
             f"Shutting down: draining {client.num_active if client else 0} in-flight requests "
             f"(up to {self.args.shutdown_timeout:.0f} s)"
         )
-        deadline = time.time() + self.args.shutdown_timeout
-        while client is not None and client.num_active and time.time() < deadline:
+        self.drain_deadline = time.time() + self.args.shutdown_timeout
+        while client is not None and client.num_active and time.time() < self.drain_deadline:
             await asyncio.sleep(0.1)
         if client is not None and client.num_active:
             logger.info(f"Aborting {client.num_active} requests still running")
@@ -245,6 +262,12 @@ class Launcher:
             while client.num_active and time.time() < end:
                 await asyncio.sleep(0.05)
         self.server.should_exit = True
+
+    def cut_drain(self) -> None:
+        """A second SIGTERM/SIGINT while draining: what is still running is aborted now."""
+        if time.time() < self.drain_deadline:
+            logger.info("Second signal: the drain ends now")
+            self.drain_deadline = 0.0
 
     def engine_exited(self) -> None:
         while True:  # phases the ranks reported just before one died
@@ -277,6 +300,14 @@ class Launcher:
         self.ranks.stop()
 
     def run(self) -> int:
+        try:  # before the engine starts: a port in use is one line, not a refusal a minute into loading
+            listener = _listen(self.args.host, self.args.port)
+        except OSError as e:
+            logger.error(
+                f"Kiln failed: cannot listen on {self.args.host}:{self.args.port}: {e.strerror or e} "
+                "(another server on that port? stop it, or choose another --port)"
+            )
+            return 1
         self.start_engine()
         app = create_app(self.state)
 
@@ -294,21 +325,53 @@ class Launcher:
             app,
             host=self.args.host,
             port=self.args.port,
-            log_level="warning",
+            log_level=(self.args.log_level_http or self.args.log_level).lower(),
             timeout_graceful_shutdown=5,
             http=guarded_protocol(self.args),
             timeout_keep_alive=self.args.timeout_keep_alive,
         )
+        if self.args.uvicorn_access_log_exclude_prefixes:
+            logging.getLogger("uvicorn.access").addFilter(
+                _AccessLogExclude(self.args.uvicorn_access_log_exclude_prefixes)
+            )
         self.server = _Server(config, self)
         logger.info(f"Kiln serving {self.state.model_name} on http://{self.args.host}:{self.args.port}")
         try:
-            self.server.run()
+            self.server.run(sockets=[listener])
         finally:
             self.state.shutting_down = True
             self.stop_engine()
         if not self.server.started and self.exit_code == 0:
             self.exit_code = 1
         return self.exit_code
+
+
+class _AccessLogExclude(logging.Filter):
+    """--uvicorn-access-log-exclude-prefixes: uvicorn's access record has (client, method, path, version, status)."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) >= 3 else ""
+        return not (isinstance(path, str) and path.startswith(self.prefixes))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound as uvicorn binds its own (SO_REUSEADDR)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _hint(reason: str) -> str:
