@@ -5,6 +5,7 @@ ledger says."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import subprocess
 import sys
@@ -126,6 +127,21 @@ def test_model_weights_packed_at_load(request, kind, prepack, layout):
         assert loaded.prepacked_weights == 4 * cfg.num_layers + 1
         packed_head = head.packed_weight if head.tied else head.weight
         assert packed_head.nbytes == cfg.vocab_size * cfg.hidden_size * 4
+
+
+def test_prepacking_reports_progress_to_the_startup_watchdog(tiny_llama, monkeypatch):
+    """Packing a large model's weights takes tens of seconds after the last tensor is read: it reports its
+    count as loading does, or --watchdog-timeout would stop a healthy startup in that silence."""
+    from kiln.loader import weights
+
+    every_layer = functools.partial(weights._reporting, every=0.0)
+    monkeypatch.setattr(
+        weights, "_reporting", lambda items, cb, what="tensors_loaded": every_layer(items, cb, what)
+    )
+    seen: list[dict] = []
+    loaded = load_model(load_model_config(tiny_llama), torch.float32, "cpu", 128, seen.append, prepack=True)
+    packed = [r["weights_prepacked"] for r in seen if "weights_prepacked" in r]
+    assert packed and packed == sorted(packed) and packed[-1] >= loaded.prepacked_weights // 4
 
 
 def test_packed_linear_under_torch_compile(layout):

@@ -267,6 +267,26 @@ def save_head(out: Path, target_dir: Path, eagle3: bool, draft_vocab: int = 512,
     return str(out)
 
 
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
+def test_a_head_missing_one_part_of_a_merged_weight_is_refused(eagle3, eagle_target, target_dir, tmp_path):
+    """A head without its k_proj loaded with that third of qkv_proj left as whatever memory held: refused
+    now, naming the tensor, as the target's load refuses it."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.speculative.eagle import load_head
+
+    head = Path(save_head(tmp_path / "head", target_dir, eagle3))
+    tensors = load_file(str(head / "model.safetensors"))
+    layer = "midlayer" if eagle3 else "layers.0"
+    del tensors[f"{layer}.self_attn.k_proj.weight"]
+    save_file(tensors, str(head / "model.safetensors"))
+    # (an EAGLE-3 head's midlayer is named by its layer in Kiln, layers.0)
+    with pytest.raises(
+        DraftRefused, match=r"lacks 1 tensors, e.g. \['[a-z.0]+\.self_attn\.k_proj\.weight'\]"
+    ):
+        load_head(str(head), eagle_target.model, torch.float32, "cpu", 256)
+
+
 @pytest.fixture(scope="module")
 def eagle_target(target_dir: Path) -> ModelRunner:
     """A target runner of its own: attaching a head changes what its forward keeps."""

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -308,9 +308,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return _blocked(x, weight, bias) if blocked else _onednn(x, weight, bias)
 
 
-def prepack_module_weights(model: torch.nn.Module) -> tuple[int, dict[str, int]]:
+def prepack_module_weights(
+    model: torch.nn.Module, reporting: Callable[[Iterable], Iterable] = iter
+) -> tuple[int, dict[str, int]]:
     """Calls `prepack_weights()` on every layer that has one; returns how many weights were packed and how many
-    into each format ("float32", "Q4_1 (integer)", "Q8_0 (float32)", "I8 (integer)", ...)."""
+    into each format ("float32", "Q4_1 (integer)", "Q8_0 (float32)", "I8 (integer)", ...). `reporting` wraps
+    the layers' iteration: packing a large model takes long enough that the startup watchdog must see progress."""
     _packed.clear()
-    count = sum(int(m.prepack_weights()) for m in model.modules() if hasattr(m, "prepack_weights"))
+    layers = [m for m in model.modules() if hasattr(m, "prepack_weights")]
+    count = sum(int(m.prepack_weights()) for m in reporting(layers))
     return count, packed_formats()

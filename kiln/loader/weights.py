@@ -6,9 +6,11 @@ tensor, so peak RAM stays near the model's own size."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -16,23 +18,56 @@ from tqdm import tqdm
 
 from kiln import platform
 from kiln.layers.fp8_linear import FP8, check_blocks_loaded, convert_to_fp8
+from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from kiln.layers.quant_rows import pop_rows
 from kiln.loader import fp8
 from kiln.models.config import ModelConfig
 from kiln.models.registry import model_class
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files: those its index's weight_map names where it has one, else every
+    *.safetensors. A repo may ship another copy of the weights beside its shards (Mistral's consolidated.
+    safetensors, in its own tensor names), which transformers, SGLang and vLLM leave out by the index too."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    if not os.path.isfile(index):
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        return files
+    try:
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {e}") from e
+    if not names:
+        raise FileNotFoundError(f"{index} names no safetensors files")
+    absent = [n for n in names if not os.path.isfile(os.path.join(model_dir, n))]
+    if absent:
+        raise FileNotFoundError(
+            f"{index} names {len(absent)} files absent from {model_dir}, e.g. {absent[:3]}: the download is "
+            "incomplete"
+        )
+    return [os.path.join(model_dir, n) for n in names]
+
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    files = safetensors_files(model_dir)
     bar = tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=len(files) < 2)
     for path in bar:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:  # its message names no file: say which of the shards is damaged
+            raise ValueError(
+                f"checkpoint file {os.path.relpath(path, model_dir)} in {model_dir} cannot be read "
+                f"(truncated or corrupt?): {e}"
+            ) from e
 
 
 def fp8_block(cfg: ModelConfig, device: str, load_format: str) -> tuple[int, int] | None:
@@ -85,13 +120,13 @@ def materialize(model: torch.nn.Module, device: str) -> None:
             setattr(module, name, done[id(param)])
 
 
-def _reporting(weights, on_progress, every: float = 1.0):
-    """Passes tensors through, reporting the count at most once per `every` seconds (for the startup watchdog)."""
+def _reporting(items, on_progress, what: str = "tensors_loaded", every: float = 1.0):
+    """Passes items through, reporting the count at most once per `every` seconds (for the startup watchdog)."""
     last = time.perf_counter()
-    for i, item in enumerate(weights, 1):
+    for i, item in enumerate(items, 1):
         yield item
         if on_progress is not None and time.perf_counter() - last >= every:
-            on_progress({"tensors_loaded": i})
+            on_progress({what: i})
             last = time.perf_counter()
 
 
@@ -126,6 +161,70 @@ def build_materialized(
     return model
 
 
+def merged_parts(model: torch.nn.Module) -> dict[str, tuple[str | int, ...]]:
+    """Each merged parameter (q, k and v, or gate and up, as one matrix) -> the shard ids its weight_loader must
+    be handed, one checkpoint tensor each: a part never handed stays torch.empty memory, which a per-parameter
+    check cannot see. The routed experts' stacks keep their own record (kiln.layers.moe.check_experts_loaded)."""
+    parts: dict[str, tuple[str | int, ...]] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, QKVParallelLinear):
+            ids: tuple[str | int, ...] = ("q", "k", "v")
+        elif isinstance(module, MergedColumnParallelLinear):
+            ids = tuple(range(len(module.out_sizes)))
+        else:
+            continue
+        for name, _ in module.named_parameters(prefix=prefix, recurse=False):
+            parts[name] = ids
+    return parts
+
+
+@contextmanager
+def shards_recorded(model: torch.nn.Module, names: Iterable[str]) -> Iterator[dict[str, set]]:
+    """While open, the shard ids each named parameter's weight_loader was handed, by wrapping the loaders the
+    models' load_weights call, so that no model keeps a record of its own."""
+    params = dict(model.named_parameters())
+    seen: dict[str, set] = {}
+    originals = {}
+    for name in names:
+        param, got = params[name], seen.setdefault(name, set())
+        originals[name] = original = param.weight_loader  # type: ignore[attr-defined]
+
+        def record(p, loaded, shard_id=None, _load=original, _got=got) -> None:
+            _load(p, loaded, shard_id)
+            _got.add(shard_id)
+
+        param.weight_loader = record  # type: ignore[attr-defined]
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            params[name].weight_loader = original  # type: ignore[attr-defined]
+
+
+def _checkpoint_name(param: str, shard_id: str | int, stacked: list[tuple[str, str, str | int]]) -> str:
+    """The checkpoint tensor that fills `shard_id` of a merged parameter (model.stacked_params backwards)."""
+    for ckpt, merged, sid in stacked:
+        if sid == shard_id and merged in param:
+            return param.replace(merged, ckpt)
+    return f"{param} (part {shard_id!r})"
+
+
+def load_checked(
+    model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], path: str, exempt: set[str]
+) -> None:
+    """model.load_weights(weights), then refuses, naming the checkpoint tensors, a checkpoint that left any
+    parameter, or any part of a merged one, unfilled (`exempt`: the parameters a checkpoint may leave out)."""
+    parts = merged_parts(model)
+    with shards_recorded(model, parts) as seen:
+        loaded = model.load_weights(weights)
+    missing = [n for n, _ in model.named_parameters() if n not in loaded | exempt and n not in parts]
+    stacked = getattr(model, "stacked_params", [])
+    for name, ids in parts.items():  # a fused tensor (shard id None) fills no part by the layers' loaders
+        missing += [_checkpoint_name(name, i, stacked) for i in ids if i not in seen[name]]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
 def load_model(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -152,20 +251,19 @@ def load_model(
     if dummy:
         init_dummy_weights(model)
     else:
-        loaded = model.load_weights(_reporting(iter_weights(cfg, block is not None), on_progress))
-        expected = {n for n, _ in model.named_parameters()}
-        missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-        if missing:
-            raise ValueError(
-                f"checkpoint {cfg.model_path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-            )
+        exempt = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        load_checked(
+            model, _reporting(iter_weights(cfg, block is not None), on_progress), cfg.model_path, exempt
+        )
         check_blocks_loaded(model)
     model.init_buffers(max_positions, device)
     prepacked, formats = 0, {}
     if prepack:
         from kiln.layers.cpu_gemm import prepack_module_weights
 
-        prepacked, formats = prepack_module_weights(model)
+        prepacked, formats = prepack_module_weights(
+            model, lambda layers: _reporting(layers, on_progress, "weights_prepacked")
+        )
     for p in model.parameters():  # the GGUF blocks no layer packed (an untied embedding, GPU weights)
         pop_rows(p)
     model.eval()

@@ -46,6 +46,10 @@ def eagle3_capture_layers(draft_config: dict, target_layers: int) -> tuple[int, 
 class _DraftHead(nn.Module):
     """What both heads share: the decoder layers, rotary, features in and hidden states out."""
 
+    # the checkpoint's separate projections that load into one merged parameter each (kiln.loader.weights.
+    # load_checked reads it too, to name a missing one)
+    stacked_params = STACKED_PARAMS
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -86,7 +90,7 @@ class _DraftHead(nn.Module):
             if name is None:
                 continue
             shard_id = None
-            for ckpt, merged, sid in STACKED_PARAMS:
+            for ckpt, merged, sid in self.stacked_params:
                 if ckpt in name:
                     name, shard_id = name.replace(ckpt, merged), sid
                     break

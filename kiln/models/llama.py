@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,8 @@ from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, check_rope_type
 from kiln.models.config import ModelConfig
 from kiln.models.weight_utils import default_weight_loader
+
+logger = logging.getLogger("kiln")
 
 # checkpoint name fragment -> (merged parameter name fragment, shard id)
 STACKED_PARAMS: list[tuple[str, str, str | int]] = [
@@ -174,22 +177,31 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        unused: list[str] = []
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            shard_id = None
+            original, shard_id = name, None
             for ckpt, merged, sid in self.stacked_params:
                 if ckpt in name:
                     name, shard_id = name.replace(ckpt, merged), sid
                     break
             if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                # skipped, as transformers and SGLang do (an adapter, a head Kiln does not run): a checkpoint
+                # that is not this model's is still refused, by the parameters it leaves unfilled
+                unused.append(original)
+                continue
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, as_dtype(tensor, param.dtype), shard_id)
             loaded.add(name)
+        if unused:
+            logger.warning(
+                f"{len(unused)} checkpoint tensors have no parameter in {type(self).__name__} and were not "
+                f"used, e.g. {unused[:3]}"
+            )
         return loaded
 
 

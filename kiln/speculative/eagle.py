@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_hf_config
-from kiln.loader.weights import build_materialized, iter_safetensors
+from kiln.loader.weights import build_materialized, iter_safetensors, load_checked
 from kiln.models.config import ModelConfig
 from kiln.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3, eagle3_capture_layers
 from kiln.runner.model_runner import ModelRunner, PoolSizes
@@ -116,12 +116,10 @@ def load_head(path: str, target: nn.Module, dtype: torch.dtype, device: str, max
     cls = head_class(config)
     cfg = ModelConfig.from_hf_dict(path, config)
     head = build_materialized(cls, cfg, dtype, device)
-    loaded = head.load_weights(iter_safetensors(path))
-    missing = {n for n, _ in head.named_parameters()} - loaded
-    if missing:
-        raise DraftRefused(
-            f"draft checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-        )
+    try:  # the target's checks: a whole tensor or one part of a merged one (q, k or v) left unfilled
+        load_checked(head, iter_safetensors(path), path, set())
+    except ValueError as e:
+        raise DraftRefused(f"draft {e}") from None
     head.share_target(target)
     head.init_buffers(max_positions, device)
     return head.eval()
