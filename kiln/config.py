@@ -16,6 +16,36 @@ def _f(default: Any, help: str, **kw) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def check_counts(
+    *,
+    max_total_tokens: int | None,
+    context_length: int | None,
+    max_running_requests: int | None,
+    chunked_prefill_size: int | None,
+    max_prefill_tokens: int,
+    cuda_graph_max_bs: int | None,
+    hicache_size: float,
+    hicache_ratio: float,
+) -> None:
+    """The one rule for the count flags, for ServerArgs (so serve refuses them before any process starts, as plan
+    does) and for ledger inputs built directly."""
+    checks = [
+        (max_total_tokens is None or max_total_tokens >= 1, "--max-total-tokens must be >= 1"),
+        (context_length is None or context_length >= 1, "--context-length must be >= 1"),
+        (max_running_requests is None or max_running_requests >= 1, "--max-running-requests must be >= 1"),
+        (
+            chunked_prefill_size in (None, -1) or chunked_prefill_size >= 1,
+            "--chunked-prefill-size must be >= 1 or -1",
+        ),
+        (max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1"),
+        (cuda_graph_max_bs is None or cuda_graph_max_bs >= 1, "--cuda-graph-max-bs must be >= 1"),
+        (hicache_size >= 0 and hicache_ratio > 0, "--hicache-size must be >= 0 and --hicache-ratio > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
 def check_mem_fraction_static(value: float | None) -> None:
     """The one rule for --mem-fraction-static: a fraction in (0, 1); 1 would leave nothing for activations."""
     if value is not None and not 0.0 < value < 1.0:
@@ -332,6 +362,16 @@ class ServerArgs:
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise ValueError(f"{flag} {list(sizes)}: sizes must be >= 1")
         check_mem_fraction_static(self.mem_fraction_static)
+        check_counts(
+            max_total_tokens=self.max_total_tokens,
+            context_length=self.context_length,
+            max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size,
+            max_prefill_tokens=self.max_prefill_tokens,
+            cuda_graph_max_bs=self.cuda_graph_max_bs,
+            hicache_size=self.hicache_size,
+            hicache_ratio=self.hicache_ratio,
+        )
         self._check_state_pool()
 
     def _check_state_pool(self) -> None:

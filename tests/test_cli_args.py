@@ -245,6 +245,12 @@ def test_wait_timeout_names_the_last_phase(status_server, capsys):
     assert "(last phase: loading_weights)" in capsys.readouterr().err
 
 
+def test_wait_on_a_server_shutting_down_exits_1_at_once(status_server, capsys):
+    _, url = status_server([{"phase": "loading_weights"}, {"phase": "shutting_down"}])
+    assert kiln_wait.wait(url, timeout=30, interval=0.01) == 1
+    assert "is shutting down" in capsys.readouterr().err
+
+
 def test_wait_reads_a_routers_health_where_there_is_no_status(capsys):
     """`kiln serve --dp-size N` answers through sglang-router, which has /health but no /status: ready is its
     /health's 200 (it waited forever, counting 404s as "not answering")."""

@@ -214,6 +214,34 @@ def test_mem_fraction_static_one_rule(capsys, model_dir, value):
 
 
 @pytest.mark.parametrize(
+    "flag", ["--max-running-requests", "--max-total-tokens", "--context-length", "--max-prefill-tokens"]
+)
+def test_count_flags_one_rule(capsys, model_dir, flag):
+    """A count of 0 is refused by ServerArgs, so `kiln serve` refuses it at once as plan does (serve refused
+    --max-running-requests 0 only after starting its engine)."""
+    argv = ["--model-path", model_dir(TINY), "--device", "cpu", flag, "0"]
+    with pytest.raises(ValueError, match=f"{flag} must be >= 1"):
+        serve_args(argv)
+    assert plan.main(argv) == 2 and f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_context_past_the_model_before_any_process(model_dir, monkeypatch):
+    from kiln.server import launch
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    too_long = serve_args(["--model-path", model_dir(TINY), "--context-length", "100000"])
+    assert "use --context-length 512 or less" in launch._front_refusal(too_long)
+    assert launch._front_refusal(replace(too_long, context_length=512)) is None
+
+
+def test_plan_says_when_the_pool_caps_requests_below_the_context(capsys, model_dir):
+    assert plan.main(["--model-path", model_dir(TINY), "--device", "cpu", "--max-total-tokens", "100"]) == 0
+    assert "no request can be longer than 100 tokens" in capsys.readouterr().out
+    assert plan.main(["--model-path", model_dir(TINY), "--device", "cpu", "--max-total-tokens", "4096"]) == 0
+    assert "no request can be longer" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
     "config, device, requested, expected",
     [
         ({"torch_dtype": "bfloat16"}, "cuda", "auto", "bfloat16"),

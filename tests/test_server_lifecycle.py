@@ -281,3 +281,16 @@ def test_a_port_in_use_is_one_line_before_the_engine_starts(tiny_llama, tmp_path
     out = proc.stdout + proc.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in out and "--port" in out, out
     assert "Traceback" not in out and "Load weight" not in out, out
+
+
+def test_a_pool_too_small_for_the_warm_up_names_the_flag_to_raise(tiny_llama, tmp_path):
+    """The warm-up request does not fit a tiny --max-total-tokens: the operator is told the minimum to start
+    with, not a client's max_tokens advice."""
+    srv = ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", "8"], tmp_path / "serve.log")
+    try:
+        assert srv.proc.wait(300) == 1
+        log = srv.log_text()
+        assert "the KV pool holds 8 tokens, fewer than the warm-up request needs" in log, log[-3000:]
+        assert "start with --max-total-tokens" in log and "max_tokens <=" not in log, log[-3000:]
+    finally:
+        srv.stop()

@@ -24,6 +24,7 @@ from kiln.server.app import ServerState, create_app
 from kiln.server.native import LogprobShape, native_body
 from kiln.server.openai_api import OpenAIServing
 from kiln.server.protocol import GenerateRequest
+from kiln.server.responses import completion_chars, logprobs_completion
 from kiln.server.sglang_fields import check_model_name, refuse_unsupported
 from kiln.server.sglang_routes import health_generate
 from kiln.server.startup import StartupState
@@ -188,6 +189,111 @@ def test_logprob_bytes_of_byte_fallback_tokens():
     assert token_bytes(2) == list(tokenizer.decode([2]).encode("utf-8"))
 
 
+def sse_choices(http: TestClient, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [c for e in events[:-1] for c in json.loads(e)["choices"]]
+
+
+STOPPED = [
+    ReqOutput("r", [42], " Paris", False, None, 3, 1, 0),
+    ReqOutput("r", [13], ".", True, {"type": "stop", "matched": " It"}, 3, 2, 0),
+]
+
+
+def test_stream_finishing_chunk_carries_matched_stop(tokenizer):
+    """SGLang's stream choices carry matched_stop (null until the finishing one), as the non-streamed choice."""
+    http = app_over(tokenizer, STOPPED)
+    for path, body in ((CMPL, {"prompt": "Hi", "stop": [" It"]}), (CHAT, {"messages": MSG, "stop": [" It"]})):
+        whole = http.post(path, json=body).json()["choices"][0]
+        assert whole["finish_reason"] == "stop" and whole["matched_stop"] == " It"
+        chunks = sse_choices(http, path, body)
+        assert len(chunks) >= 2 and all("matched_stop" in c for c in chunks)
+        assert [c["matched_stop"] for c in chunks] == [None] * (len(chunks) - 1) + [" It"]
+        assert chunks[-1]["finish_reason"] == "stop"
+    # a token id that ended it is named as the non-streamed choice names it; a length finish names none
+    http = app_over(tokenizer, [ReqOutput("r", [2], "", True, {"type": "stop", "matched": 2}, 3, 1, 0)])
+    assert sse_choices(http, CMPL, {"prompt": "Hi"})[-1]["matched_stop"] == 2
+    http = app_over(tokenizer, [ReqOutput("r", [7], "x", True, {"type": "length", "length": 1}, 3, 1, 0)])
+    assert sse_choices(http, CHAT, {"messages": MSG})[-1]["matched_stop"] is None
+
+
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        (CMPL, {"prompt": "Hi", "min_tokens": -1}, "min_tokens", "min_tokens=-1 must be >= 0"),
+        (CMPL, {"prompt": "Hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens", "min_tokens=9 must be <= max_tokens=4"),
+        (CHAT, {"messages": MSG, "max_tokens": 4, "min_tokens": 9}, "min_tokens", "<= max_tokens=4"),
+        (CHAT, {"messages": MSG, "max_completion_tokens": 4, "min_tokens": 9}, "min_tokens", "<= max_completion_tokens=4"),
+        (CHAT, {"messages": MSG, "max_completion_tokens": 5000}, "max_completion_tokens", "max_completion_tokens=5000"),
+        (GEN, {"text": "Hi", "sampling_params": {"min_new_tokens": -1}}, "min_new_tokens", "min_new_tokens=-1"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_field_as_the_endpoint_spells_it(tokenizer, path, body, param, words):
+    """The OpenAI endpoints take min_tokens (vLLM's name for min_new_tokens): a refusal says min_tokens, and the
+    token limit under the name the client sent it; /generate keeps SGLang's names."""
+    r = app_over(tokenizer, []).post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    if path != GEN:
+        assert "new_tokens" not in error["message"]
+
+
+CAT = " 猫 and 🐱 ok"
+
+
+def token_bytes_of(token: str) -> bytes:
+    """A legacy completions token back to its bytes, as an OpenAI client reads the "bytes:" form."""
+    if token.startswith("bytes:"):
+        return token[len("bytes:") :].encode("latin-1").decode("unicode_escape").encode("latin-1")
+    return token.encode("utf-8")
+
+
+def cat_logprobs(tokenizer) -> list[TokenLogprob]:
+    """The greedy token first, then the ids around it: several byte tokens that each decode alone to U+FFFD."""
+    return [TokenLogprob(t, -0.25, [(t, -0.25), (t + 1, -1.0), (t - 1, -2.0)]) for t in tokenizer.encode(CAT)]
+
+
+def test_completion_logprobs_of_partial_utf8_tokens(tokenizer):
+    """A token that is only part of a character is OpenAI's "bytes:\\xNN" string, distinct from its
+    neighbours; text_offset is the character where its first byte lies, never past the text."""
+    lps = cat_logprobs(tokenizer)
+    assert sum(tokenizer.decode([lp.token_id]) == "\ufffd" for lp in lps) >= 3  # the case that matters
+    lp = logprobs_completion(tokenizer, lps)
+    assert "\ufffd" not in "".join(lp["tokens"])
+    assert b"".join(token_bytes_of(t) for t in lp["tokens"]).decode("utf-8") == CAT
+    assert "bytes: \\xf0\\x9f" in lp["tokens"]  # " " and the emoji's first two bytes
+    assert [len(top) for top in lp["top_logprobs"]] == [3] * len(lps)
+    assert all(top[token] == -0.25 for token, top in zip(lp["tokens"], lp["top_logprobs"]))
+    # " 猫" from 0, its other bytes inside 猫 (1), " and" 2, " 🐱" 6, its other bytes 7, " ok" 8
+    starts = [0, 1, 1, 2, 6, 7, 7, 8]
+    assert [tokenizer.decode([t]) for t in tokenizer.encode(CAT)][3] == " and" and lp["text_offset"] == starts
+    assert all(o < len(CAT) for o in lp["text_offset"])
+    # a stream's chunks, cut anywhere (inside a character too), join into the same lists
+    for cut in range(len(lps) + 1):
+        head = logprobs_completion(tokenizer, lps[:cut])
+        tail = logprobs_completion(tokenizer, lps[cut:], completion_chars(tokenizer, lps[:cut]))
+        assert {k: head[k] + tail[k] for k in lp} == lp
+
+
+def test_completion_stream_logprobs_equal_the_non_streamed_ones_on_partial_utf8(tokenizer):
+    lps = cat_logprobs(tokenizer)
+    cut = 2  # inside 猫: its first chunk's text is held back until the character completes
+    script = [
+        ReqOutput("r", [lp.token_id for lp in lps[:cut]], "", False, None, 3, cut, 0, logprobs=lps[:cut]),
+        ReqOutput("r", [lp.token_id for lp in lps[cut:]], CAT, True, {"type": "length", "length": len(lps)}, 3,
+                  len(lps), 0, logprobs=lps[cut:]),
+    ]  # fmt: skip
+    http = app_over(tokenizer, script)
+    body = {"prompt": "Hi", "logprobs": 3, "max_tokens": len(lps)}
+    whole = http.post(CMPL, json=body).json()["choices"][0]
+    chunks = sse_choices(http, CMPL, body)
+    assert whole["logprobs"] == logprobs_completion(tokenizer, lps)
+    assert {k: [x for c in chunks for x in c["logprobs"][k]] for k in whole["logprobs"]} == whole["logprobs"]
+
+
 # ---------------------------------------------------------------------------------------------- a real server
 def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=120)
@@ -305,6 +411,8 @@ def test_health_generate_model_info_and_server_info(server, model):
     server_info = httpx.get(server.url + "/server_info", timeout=30).json()
     assert server_info["version"] and server_info["internal_states"][0]["memory_usage"]["token_capacity"] > 0
     assert server_info["max_req_input_len"] > 0 and server_info["max_total_num_tokens"] > 0
+    # resolved as SGLang resolves it, though the flag was not given: the ledger's fraction
+    assert server_info["mem_fraction_static"] == server_info["ledger"]["mem_fraction_static"] > 0
     # SGLang's flat arguments, beside Kiln's own fields (which stay)
     assert server_info["model_path"] == model and server_info["chunked_prefill_size"] == 512
     assert server_info["server_args"]["model_path"] == model and "context_len" in server_info

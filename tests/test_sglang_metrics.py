@@ -85,6 +85,27 @@ def test_close_reports_do_not_grow_the_window():
     assert rates.gen_throughput(50.999) == pytest.approx(1000.0, rel=0.01)
 
 
+def test_sglang_token_usage_leaves_out_what_the_prefix_cache_could_give_back():
+    """SGLang's num_used_tokens is the pool less what is free or evictable: an idle server whose prefix cache
+    holds 88 tokens reads 0 (SGLang's dashboards would otherwise show a full pool once the cache fills it), while
+    kiln:num_used_tokens keeps counting the cache."""
+    m = Metrics(None, "served-name")
+    for evictable, running in [(88, 0), (48, 40)]:
+        m.update_engine(
+            SchedulerStats(
+                used_tokens=88,
+                cache_tokens=88,
+                evictable_tokens=evictable,
+                pool_tokens=1000,
+                token_usage=0.088,
+            )
+        )
+        got = first_values(m.render().decode())
+        assert got["sglang:num_used_tokens"] == running and got["kiln:num_used_tokens"] == 88
+        assert got["sglang:token_usage"] == pytest.approx(running / 1000)
+        assert got["kiln:token_usage"] == pytest.approx(0.088)
+
+
 def test_labels_and_is_streaming():
     m = Metrics(None, "served-name")
     m.observe_output(0.0, 1.0, None, 1.0, 1, None)  # a streamed request's first token...

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from kiln.config import check_mem_fraction_static
+from kiln.config import check_counts, check_mem_fraction_static
 from kiln.core import envs
 from kiln.core.dtypes import dtype_bytes
 from kiln.core.units import GIB, gb, gib, human
@@ -172,15 +172,22 @@ def _state_failure(plan: StatePlan | None) -> Failure | None:
     return Failure("kv_allocation", message, "")
 
 
+def context_length_refusal(hf_config: dict, context_length: int | None, allow: bool) -> str | None:
+    """SGLang's rule: a --context-length past the model's longest context is refused unless asked for (`allow`,
+    SGLang's environment switch)."""
+    overrun = context_overrun(hf_config, context_length)
+    if not overrun or allow:
+        return None
+    return (
+        f"{overrun}; use --context-length {context_len_of(hf_config)} or less, or set "
+        f"{envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN}=1 to allow it"
+    )
+
+
 def _check_context_length(inputs: LedgerInputs) -> None:
-    """SGLang's rule: a --context-length past the model's longest context is refused unless asked for."""
-    overrun = context_overrun(inputs.hf_config, inputs.context_length)
-    if overrun and not inputs.allow_longer_context:
-        longest = context_len_of(inputs.hf_config)
-        raise ValueError(
-            f"{overrun}; use --context-length {longest} or less, or set "
-            f"{envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN}=1 to allow it"
-        )
+    refusal = context_length_refusal(inputs.hf_config, inputs.context_length, inputs.allow_longer_context)
+    if refusal:
+        raise ValueError(refusal)
 
 
 def _validate(inputs: LedgerInputs) -> None:
@@ -191,29 +198,20 @@ def _validate(inputs: LedgerInputs) -> None:
         (inputs.tp_size >= 1, "--tp-size must be >= 1"),
         (inputs.available_memory_bytes > 0, "available device memory must be > 0"),
         (inputs.page_size >= 1, "--page-size must be >= 1"),
-        (inputs.max_total_tokens is None or inputs.max_total_tokens >= 1, "--max-total-tokens must be >= 1"),
-        (inputs.context_length is None or inputs.context_length >= 1, "--context-length must be >= 1"),
-        (
-            inputs.max_running_requests is None or inputs.max_running_requests >= 1,
-            "--max-running-requests must be >= 1",
-        ),
-        (
-            inputs.chunked_prefill_size in (None, -1) or inputs.chunked_prefill_size >= 1,
-            "--chunked-prefill-size must be >= 1 or -1",
-        ),
-        (inputs.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1"),
-        (
-            inputs.cuda_graph_max_bs is None or inputs.cuda_graph_max_bs >= 1,
-            "--cuda-graph-max-bs must be >= 1",
-        ),
-        (
-            inputs.hicache_size_gb >= 0 and inputs.hicache_ratio > 0,
-            "--hicache-size must be >= 0 and --hicache-ratio > 0",
-        ),
     ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    check_counts(
+        max_total_tokens=inputs.max_total_tokens,
+        context_length=inputs.context_length,
+        max_running_requests=inputs.max_running_requests,
+        chunked_prefill_size=inputs.chunked_prefill_size,
+        max_prefill_tokens=inputs.max_prefill_tokens,
+        cuda_graph_max_bs=inputs.cuda_graph_max_bs,
+        hicache_size=inputs.hicache_size_gb,
+        hicache_ratio=inputs.hicache_ratio,
+    )
 
 
 # ---------------------------------------------------------------- the steps

@@ -39,7 +39,13 @@ def format_table(ledger: Ledger, title: str = "") -> str:
 
 def format_verdict(ledger: Ledger) -> str:
     if ledger.failure is None:
-        return f"verdict: fits ({ledger.max_total_num_tokens:,} KV tokens, headroom {human(ledger.headroom_bytes)} per rank)"
+        verdict = f"verdict: fits ({ledger.max_total_num_tokens:,} KV tokens, headroom {human(ledger.headroom_bytes)} per rank)"
+        if ledger.max_total_num_tokens < ledger.context_len:  # fits, yet caps every request below the context
+            verdict += (
+                f"\n  note: the pool holds fewer tokens than context_len {ledger.context_len:,}: no request can be "
+                f"longer than {ledger.max_total_num_tokens:,} tokens (prompt + max_tokens)"
+            )
+        return verdict
     f = ledger.failure
     return f"verdict: does not fit: {MOMENT_WORDS.get(f.moment, f.moment)} fails: {f.message}\n  fix: {f.fix}"
 

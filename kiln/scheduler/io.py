@@ -128,6 +128,8 @@ class SchedulerStats:
     token_usage: float = 0.0  # used_tokens as a fraction of the pool
     used_tokens: int = 0  # pool tokens held by running requests and by the prefix cache
     cache_tokens: int = 0  # tokens held by the prefix cache
+    evictable_tokens: int = 0  # of those, the ones no running request holds (free for the taking)
+    pool_tokens: int = 0  # the KV pool's size
     integrity_violations: int = 0
     decode_steps: int = 0
     retracted: int = 0
@@ -158,6 +160,17 @@ class SchedulerStats:
     spec_accepted_drafts: int = 0
     spec_accept_length: float = 0.0
     spec_accept_rate: float = 0.0
+
+    @property
+    def running_tokens(self) -> int:
+        """SGLang's num_used_tokens: the pool less what is free or evictable, so an idle server reads 0 however
+        full its prefix cache."""
+        return self.used_tokens - self.evictable_tokens
+
+    @property
+    def running_token_usage(self) -> float:
+        """SGLang's token_usage: running_tokens as a fraction of the pool."""
+        return self.running_tokens / max(1, self.pool_tokens)
 
     def counters(self) -> dict[str, int]:
         """The counters alone, by name (the `stats` object of /get_server_info)."""

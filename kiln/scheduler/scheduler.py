@@ -174,8 +174,6 @@ class Scheduler(OverlapSchedule):
             self.grammar_queue.append(req)
         else:
             self.waiting.append(req)
-        if req.log_metrics:
-            self.counters.prompt_tokens += len(req.input_ids)
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar compiled join the waiting queue; a refused one fails alone. With several
@@ -494,7 +492,10 @@ class Scheduler(OverlapSchedule):
         self.reqs.pop(req.rid, None)
         if self.spec is not None:
             self.spec.release(req.rid)
-        if req.log_metrics:
+        if (
+            req.log_metrics
+        ):  # both at the end, as SGLang counts them: a hit rate over a window reads them together
+            self.counters.prompt_tokens += len(req.input_ids)
             self.counters.cached_tokens += req.cached_tokens
         self.outbox.append(self.out.flush_output(req))
 
@@ -522,7 +523,7 @@ class Scheduler(OverlapSchedule):
             return
         logger.info(
             f"Prefill batch, #new-seq: {len(reqs)}, #new-token: {new_tokens}, #cached-token: {cached}, "
-            f"token usage: {self.token_usage():.2f}, #running-req: {len(self.running)}, #queue-req: {len(self.waiting)}, "
+            f"token usage: {self.running_token_usage():.2f}, #running-req: {len(self.running)}, #queue-req: {len(self.waiting)}, "
             f"input throughput (token/s): {new_tokens / max(self.runner.last_forward_seconds, 1e-9):.2f}"
         )
 
@@ -536,7 +537,7 @@ class Scheduler(OverlapSchedule):
         self._decode_tokens_since_log, self._decode_log_t0 = 0, now
         logger.info(
             f"Decode batch, #running-req: {len(self.running)}, #token: {self.used_tokens()}, "
-            f"token usage: {self.token_usage():.2f}, cuda graph: {graphed}, gen throughput (token/s): {tput:.2f}, "
+            f"token usage: {self.running_token_usage():.2f}, cuda graph: {graphed}, gen throughput (token/s): {tput:.2f}, "
             f"{self._spec_log()}#queue-req: {len(self.waiting)}{self._comm_share(elapsed)}"
         )
 
@@ -560,6 +561,10 @@ class Scheduler(OverlapSchedule):
     def token_usage(self) -> float:
         return self.used_tokens() / max(1, self.kv.allocator.size)
 
+    def running_token_usage(self) -> float:
+        """SGLang's "token usage" of its log lines: the pool less what is free or evictable, as a fraction."""
+        return (self.used_tokens() - self.kv.evictable_tokens()) / max(1, self.kv.allocator.size)
+
     def live_reqs(self) -> list[Req]:
         live = list(self.running)
         if self.chunked is not None:
@@ -574,6 +579,8 @@ class Scheduler(OverlapSchedule):
             token_usage=self.token_usage(),
             used_tokens=self.used_tokens(),
             cache_tokens=self.kv.cache_tokens(),
+            evictable_tokens=self.kv.evictable_tokens(),
+            pool_tokens=self.kv.allocator.size,
             integrity_violations=self.integrity_violations,
             **asdict(self.counters),
             **self._grammar_stats(),

@@ -34,6 +34,7 @@ from kiln.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kiln")
 WARMUP_PROMPT = "The capital city of France is"
+WARMUP_NEW_TOKENS = 8
 DIE_GRACE_SECONDS = 3.0
 
 
@@ -181,11 +182,20 @@ class Launcher:
     async def _warm_up(self, client: EngineClient, tokenizer) -> bool:
         from kiln.sampling_params import SamplingParams
 
+        ids = tokenizer.encode(WARMUP_PROMPT)
+        need, pool = len(ids) + WARMUP_NEW_TOKENS, self.state.info.max_total_num_tokens
+        if need > pool:  # the operator's to fix, not a client's: say so with the numbers
+            self.die(
+                f"the KV pool holds {pool} tokens, fewer than the warm-up request needs ({len(ids)} prompt + "
+                f"{WARMUP_NEW_TOKENS} new = {need}): start with --max-total-tokens {need} or more (or "
+                "--skip-server-warmup, and no request longer than the pool)"
+            )
+            return False
         try:
             result = await asyncio.wait_for(
                 client.collect(  # no client's request: the metrics start at the first one
-                    tokenizer.encode(WARMUP_PROMPT),
-                    SamplingParams(max_new_tokens=8, temperature=0),
+                    ids,
+                    SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS, temperature=0),
                     observe=False,
                 ),
                 timeout=self.args.watchdog_timeout,
@@ -378,14 +388,22 @@ def _hint(reason: str) -> str:
     return "run `kiln plan` with the same arguments to see the memory ledger" if "fit" in reason else ""
 
 
-def _tp_refusal(args: ServerArgs) -> str | None:
-    """A --tp-size the model cannot be split by, refused before any process starts."""
-    if args.tp_size == 1:
-        return None
+def _front_refusal(args: ServerArgs) -> str | None:
+    """What the engine would refuse from the flags and the model's config alone (the model, a --tp-size that
+    cannot split it, a --context-length past its longest), refused before any process starts, as `kiln plan`
+    refuses it, rather than a minute into loading."""
+    from kiln.core import envs
     from kiln.loader.model_config import read_hf_config
-    from kiln.scheduler.launch import tp_refusal
+    from kiln.memory.ledger import context_length_refusal
+    from kiln.scheduler.launch import model_refusal
 
-    return tp_refusal(args, read_hf_config(args.model_path))
+    try:
+        hf_config = read_hf_config(args.model_path)
+    except (ValueError, KeyError, OSError) as e:  # a config the engine could not read either: said once, here
+        return str(e)
+    return model_refusal(args, hf_config) or context_length_refusal(
+        hf_config, args.context_length, envs.allow_longer_context_len()
+    )
 
 
 def serve(args: ServerArgs) -> int:
@@ -399,7 +417,7 @@ def serve(args: ServerArgs) -> int:
     except ValueError as e:  # a Hugging Face model id the local hub cache does not hold
         logger.error(f"Kiln failed: {e}")
         return 1
-    refusal = _tp_refusal(args)
+    refusal = _front_refusal(args)
     if refusal:
         logger.error(f"Kiln failed: {refusal}")
         return 1

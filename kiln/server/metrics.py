@@ -123,8 +123,9 @@ SGLANG_ENGINE_FIELDS = {
         "gauge",
         SCHEDULER_LABELS,
     ),
-    "token_usage": ("sglang:token_usage", "The token usage.", "gauge", SCHEDULER_LABELS),
-    "used_tokens": ("sglang:num_used_tokens", "The number of used tokens.", "gauge", SCHEDULER_LABELS),
+    # SGLang's meaning, not Kiln's: without the prefix cache's evictable tokens (SGLang's dashboards read these)
+    "running_token_usage": ("sglang:token_usage", "The token usage.", "gauge", SCHEDULER_LABELS),
+    "running_tokens": ("sglang:num_used_tokens", "The number of used tokens.", "gauge", SCHEDULER_LABELS),
     "retracted": (
         "sglang:num_retracted_requests_total",
         "Total number of retracted requests.",

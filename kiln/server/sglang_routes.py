@@ -188,6 +188,8 @@ def sglang_server_info(args: ServerArgs, engine: EngineState) -> dict:
     return {
         **asdict(args),
         "max_total_num_tokens": info.max_total_num_tokens,
+        # resolved, as SGLang's ServerArgs resolves it before serving (None here only when the flag was not given)
+        "mem_fraction_static": (info.ledger or {}).get("mem_fraction_static", args.mem_fraction_static),
         "max_req_input_len": min(info.context_len, info.max_total_num_tokens) - 1,
         "internal_states": [
             {
