@@ -80,7 +80,10 @@ class SamplingParams:
             raise InvalidParam("seed", f"seed={self.seed} must fit in 64 bits")
         self.validate_constraint()
         if self.min_new_tokens > self.max_new_tokens:
-            raise InvalidParam("min_new_tokens", "min_new_tokens must be <= max_new_tokens")
+            raise InvalidParam(
+                "min_new_tokens",
+                f"min_new_tokens={self.min_new_tokens} must be <= max_new_tokens={self.max_new_tokens}",
+            )
         if vocab_size is not None:
             for tid in self.stop_token_ids:
                 if not 0 <= tid < vocab_size:

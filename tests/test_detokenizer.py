@@ -8,6 +8,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kiln.sampling_params import SamplingParams
+from kiln.scheduler.output import OutputProcessor
+from kiln.scheduler.req import Req
 from kiln.text.detokenizer import IncrementalDetokenizer, find_stop, stop_prefix_len
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -213,3 +216,62 @@ def test_helpers():
     assert stop_prefix_len("xab", ["ab"]) == 0  # a full match is not a proper prefix
     assert find_stop("xxabcd", ["cd", "abc", "ab"]) == (2, "ab")
     assert find_stop("xyz", ["q"]) is None
+    assert find_stop("ab ab", ["ab"], after=2) == (3, "ab")  # the first "ab" ends within the first 2 chars
+    assert find_stop("abc", ["bc"], after=2) == (1, "bc")  # ends past them: matched
+
+
+# ---------------------------------------------------------------------------------------------- min_new_tokens
+def min_tokens_req(
+    tok, text: str, stop: list[str], min_new: int, stream: bool = True
+) -> tuple[list[str], Req]:
+    """Feed the text's ids one by one through the scheduler's OutputProcessor; returns the text each step
+    would stream and the request."""
+    params = SamplingParams(max_new_tokens=64, min_new_tokens=min_new, stop=stop, ignore_eos=True)
+    req = Req("r", [1], params, IncrementalDetokenizer(tok, stop=stop), None, stream=stream)
+    out = OutputProcessor(set(), context_len=4096, stream_interval=1)
+    pieces = []
+    for t in tok.encode(text):
+        out.append_token(req, t, None, None)
+        pieces.append(out.flush_output(req).text_delta)
+        if req.finished:
+            break
+    return pieces, req
+
+
+def test_stop_string_waits_for_min_new_tokens(tok):
+    """vLLM's min_tokens: a stop string that completes before the minimum neither ends the request nor is
+    trimmed; the first one that completes at or past it does (D1: "you" ended it after 6 tokens)."""
+    text = "Thank you, and see you later, you know."
+    ids = tok.encode(text)
+    upto = lambda s: len(tok.encode(text[: text.index(s) + len(s)]))  # noqa: E731  tokens up to s's end
+    first, second = upto("Thank you"), upto("see you")
+    assert first < second
+    pieces, req = min_tokens_req(tok, text, ["you"], 0)
+    assert req.finish_reason == {"type": "stop", "matched": "you"} and "".join(pieces) == "Thank "
+    pieces, req = min_tokens_req(tok, text, ["you"], first + 1)
+    assert req.finish_reason == {"type": "stop", "matched": "you"}
+    assert "".join(pieces) == "Thank you, and see " and len(req.output_ids) == second
+    # the token that reaches the minimum may itself complete the stop (vLLM checks after appending it)
+    pieces, req = min_tokens_req(tok, text, ["you"], second)
+    assert "".join(pieces) == "Thank you, and see " and len(req.output_ids) == second
+    pieces, req = min_tokens_req(tok, text, ["you"], len(ids))
+    assert req.finish_reason is None and "".join(pieces) == text
+
+
+def test_stop_string_across_the_minimum_is_trimmed_and_never_streamed(tok):
+    """A stop that starts before min_new_tokens and completes after it ends the request, cut at its start, and
+    none of its text was streamed along the way; a stop wholly before the minimum stays in the text."""
+    text = "one two three four five six"
+    # " three" comes below the minimum, " four" reaches it
+    four = len(tok.encode("one two three four"))
+    assert four == len(tok.encode("one two three")) + 1
+    pieces, req = min_tokens_req(tok, text, ["two", "three four"], four)
+    assert req.finish_reason == {"type": "stop", "matched": "three four"}
+    assert pieces[-1] == "" and "".join(pieces) == "one two "
+    assert not any("three" in p or "thr" in p for p in pieces)
+    # "two" completes below the minimum and, held back as a possible start of "two thr", is never matched later
+    after_two = len(tok.encode("one two")) + 1
+    pieces, req = min_tokens_req(tok, text, ["two", "two thr"], after_two)
+    assert req.finish_reason == {"type": "stop", "matched": "two thr"} and "".join(pieces) == "one "
+    pieces, req = min_tokens_req(tok, text, ["two"], after_two)
+    assert req.finish_reason is None and "".join(pieces) == text

@@ -26,6 +26,13 @@ class OutputProcessor:
             return []
         return sorted(self._stop_ids(req) | self.eos_ids)
 
+    @staticmethod
+    def stops_live(req: Req) -> bool:
+        """Stop strings may end a request once it has min_new_tokens output tokens, the one just appended
+        included: vLLM's min_tokens rule, which checks them after appending (EOS and stop ids are banned at
+        sampling instead, see banned_ids)."""
+        return len(req.output_ids) >= req.params.min_new_tokens
+
     def append_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         req.output_ids.append(token)
         req.pending_ids.append(token)
@@ -34,16 +41,16 @@ class OutputProcessor:
         p = req.params
         if token in self._stop_ids(req):
             req.finish_reason = {"type": "stop", "matched": token}
-            req.pending_text += req.detok.flush()
+            req.pending_text += req.detok.flush(self.stops_live(req))
             return
-        text, matched = req.detok.add([token])
+        text, matched = req.detok.add([token], self.stops_live(req))
         req.pending_text += text
         if matched is not None:
             req.finish_reason = {"type": "stop", "matched": matched}
         elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
             req.finish_reason = {"type": "length", "length": len(req.output_ids)}
         if req.finish_reason is not None and matched is None:
-            req.pending_text += req.detok.flush()
+            req.pending_text += req.detok.flush(self.stops_live(req))
 
     def follow_grammar(self, req: Req, token: int) -> None:
         """Advance a constrained request's matcher by its new token; a grammar that can take no further token
@@ -58,7 +65,7 @@ class OutputProcessor:
         elif req.matcher.is_terminated:
             req.finish_reason = {"type": "stop", "matched": token}
         if req.finished:
-            req.pending_text += req.detok.flush()
+            req.pending_text += req.detok.flush(self.stops_live(req))
 
     def should_stream(self, req: Req) -> bool:
         return req.stream and len(req.pending_ids) >= self.stream_interval

@@ -24,8 +24,9 @@ from kiln.server.native import LogprobShape, check_logprob_start, native_body
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kiln.server.responses import (
     QueueFull,
+    completion_chars,
     echo_prefixes,
-    finish_name,
+    finish_fields,
     logprobs_chat,
     logprobs_completion,
     stream_error_event,
@@ -221,7 +222,8 @@ class OpenAIServing:
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             self.refuse_never_admitted(len(req.prompt), len(req.prompt) * params.n, ("prompt", "n"))
         prompts = self._completion_prompts(req.prompt)
-        plan = self._plan(prompts, params, req.max_tokens if req.max_tokens is not None else 16, req.rid)
+        with req.own_names():
+            plan = self._plan(prompts, params, req.max_tokens if req.max_tokens is not None else 16, req.rid)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         echoes = echo_prefixes(self.tokenizer, req.prompt, plan.samples) if req.echo else None
@@ -249,13 +251,8 @@ class OpenAIServing:
             logprobs = None
             if want_lp:
                 logprobs = logprobs_completion(self.tokenizer, out.logprobs or [], offsets.get(k, 0))
-                offsets[k] = offsets.get(k, 0) + sum(len(token) for token in logprobs["tokens"])
-            choice = {
-                "index": k,
-                "text": text,
-                "finish_reason": finish_name(out) if out.finished else None,
-                "logprobs": logprobs,
-            }
+                offsets[k] = offsets.get(k, 0) + completion_chars(self.tokenizer, out.logprobs or [])
+            choice = {"index": k, "text": text, **finish_fields(out), "logprobs": logprobs}
             if text or out.finished or (want_lp and out.logprobs):
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
@@ -317,7 +314,8 @@ class OpenAIServing:
         tools = ChatTools.of(req, self.tool_call_parser, self.reasoning_parser)
         check_constraint(params, self.grammar_backend, tools.constrain(params))
         prompt = self._chat_prompt(req, tools)
-        plan = self._plan([prompt], params, max_tokens, req.rid)
+        with req.own_names():
+            plan = self._plan([prompt], params, max_tokens, req.rid)
         readers = [tools.reader(self.tokenizer, prompt) for _ in plan.samples]
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if req.stream:
@@ -346,8 +344,16 @@ class OpenAIServing:
         async for k, out in self._stream_all(plan):
             lasts[k] = out
             logprobs = logprobs_chat(self.tokenizer, out.logprobs or []) if req.logprobs else None
-            finish = finish_name(out) if out.finished else None
-            for choice in readers[k].chunk_choices(k, out.text_delta, out.finished, finish, logprobs):
+            finish = finish_fields(out)
+            for choice in readers[k].chunk_choices(
+                k, out.text_delta, out.finished, finish["finish_reason"], logprobs
+            ):
+                # only the finishing choice names the stop, and not once a tool call turned it into "tool_calls"
+                # (as rewrite_choice does for the non-streamed choice)
+                same = (
+                    choice["finish_reason"] is not None and choice["finish_reason"] == finish["finish_reason"]
+                )
+                choice["matched_stop"] = finish["matched_stop"] if same else None
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
             yield sse(
@@ -405,8 +411,7 @@ class OpenAIServing:
                 {
                     "index": k,
                     **body(result.text, result.logprobs),
-                    "finish_reason": finish_name(last),
-                    "matched_stop": (last.finish_reason or {}).get("matched"),
+                    **finish_fields(last),
                 }
             )
         return choices

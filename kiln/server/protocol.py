@@ -3,6 +3,9 @@ ones that cannot change the output (user, metadata, ...) are accepted and ignore
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -56,6 +59,26 @@ class _SamplingFields(_Strict):
     # SGLang's router (sglang-router) sends its own defaults for SGLang fields Kiln does not implement: they are
     # accepted at those values only, and refused at any other
     return_hidden_states: Literal[False] = False
+
+    def param_names(self) -> dict[str, str]:
+        """SamplingParams' names (and the shared checks' "max_tokens") of the fields this body sends under
+        another name: a refusal must name the field the client sent, in its message too."""
+        return {
+            "min_new_tokens": "min_tokens",
+            "max_new_tokens": "max_tokens",
+            "top_logprobs_num": "logprobs",
+        }
+
+    @contextmanager
+    def own_names(self) -> Iterator[None]:
+        """An InvalidParam raised inside, in SamplingParams' names, is raised again in this body's names."""
+        try:
+            yield
+        except InvalidParam as e:
+            names = self.param_names()
+            words = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+            message = words.sub(lambda m: names[m.group()], str(e))
+            raise InvalidParam(names.get(e.param, e.param), message) from None
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         bias = None
@@ -211,6 +234,16 @@ class ChatCompletionRequest(_SamplingFields):
     stream_reasoning: bool = True
     # SGLang's and vLLM's: the model continues the last (assistant) message instead of starting a new one
     continue_final_message: bool = False
+
+    def param_names(self) -> dict[str, str]:
+        # the token limit is max_completion_tokens where the client sent that (it wins over max_tokens)
+        limit = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {
+            **super().param_names(),
+            "max_new_tokens": limit,
+            "max_tokens": limit,
+            "top_logprobs_num": "top_logprobs",
+        }
 
 
 class NativeSamplingParams(_Strict):

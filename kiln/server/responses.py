@@ -61,6 +61,14 @@ def finish_name(out: ReqOutput) -> str | None:
     return out.finish_reason["type"]
 
 
+def finish_fields(out: ReqOutput) -> dict:
+    """A choice's finish_reason and matched_stop (SGLang's: the stop string or token id that ended it), both
+    null until the generation finishes: the non-streamed choices and every stream chunk's choice carry them."""
+    if not out.finished:
+        return {"finish_reason": None, "matched_stop": None}
+    return {"finish_reason": finish_name(out), "matched_stop": (out.finish_reason or {}).get("matched")}
+
+
 def usage(samples: Sequence[Sample], lasts: list[ReqOutput]) -> dict:
     """Each distinct prompt counts once, however many samples it had."""
     prompt, cached, seen = 0, 0, set()
@@ -82,19 +90,49 @@ def _piece(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def _completion_token(tokenizer, token_id: int) -> str:
+    """A legacy completions token as OpenAI spells it: its text, or, where its bytes are not UTF-8 on their own
+    (part of a character), "bytes:" and the bytes as Python writes them (printable ASCII as is, others \\xNN,
+    as OpenAI's "bytes: \\xe5"), so that such tokens stay distinct (as top_logprobs keys too) rather than all
+    reading U+FFFD."""
+    raw = bytes(token_bytes_for(tokenizer)(token_id))
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in raw)
+    return _piece(tokenizer, token_id)
+
+
+def _is_continuation(byte: int) -> bool:
+    return byte & 0xC0 == 0x80
+
+
+def _chars_started(raw: Sequence[int]) -> int:
+    return sum(not _is_continuation(b) for b in raw)
+
+
+def completion_chars(tokenizer, lps: Sequence[TokenLogprob]) -> int:
+    """How many characters of the text the tokens start (a character split over tokens counts in the token
+    holding its first byte): a stream's next chunk's text_offset starts there."""
+    token_bytes = token_bytes_for(tokenizer)
+    return sum(_chars_started(token_bytes(lp.token_id)) for lp in lps)
+
+
 def logprobs_completion(tokenizer, lps: list[TokenLogprob], start: int = 0) -> dict:
-    """Legacy completions' logprobs; a stream's chunk starts at `start`, the length of the tokens' text before
-    it, so that its chunks' text_offset lists join into the whole response's."""
-    tokens, offsets, offset = [], [], start
+    """Legacy completions' logprobs; a stream's chunk starts at `start`, the characters its earlier chunks'
+    tokens started (completion_chars), so that its chunks' text_offset lists join into the whole response's.
+    A token's text_offset is the character where its first byte lies: one that begins inside a character split
+    over tokens gets that character's offset, never one past the text."""
+    token_bytes = token_bytes_for(tokenizer)
+    offsets, started = [], start
     for lp in lps:
-        piece = _piece(tokenizer, lp.token_id)
-        tokens.append(piece)
-        offsets.append(offset)
-        offset += len(piece)
+        raw = token_bytes(lp.token_id)
+        offsets.append(max(0, started - (1 if raw and _is_continuation(raw[0]) else 0)))
+        started += _chars_started(raw)
     return {
-        "tokens": tokens,
+        "tokens": [_completion_token(tokenizer, lp.token_id) for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{_piece(tokenizer, t): v for t, v in (lp.top or [])} for lp in lps],
+        "top_logprobs": [{_completion_token(tokenizer, t): v for t, v in (lp.top or [])} for lp in lps],
         "text_offset": offsets,
     }
 
