@@ -12,6 +12,7 @@ import functools
 import itertools
 import time
 import typing
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +45,8 @@ def output_dict(result: OutputAccumulator, t0: float) -> dict:
         meta["output_top_logprobs"] = [lp.top for lp in logprobs]
     if last.error:
         meta["error"] = last.error
-    return {"text": result.text, "output_ids": result.ids, "meta_info": meta}
+    # a copy: a stream's chunks must not all show the accumulator's latest ids
+    return {"text": result.text, "output_ids": list(result.ids), "meta_info": meta}
 
 
 class Engine:
@@ -52,14 +54,15 @@ class Engine:
         self.parts = build_engine(ServerArgs(**kwargs))
         self.scheduler = self.parts.scheduler
         self.tokenizer = self.parts.tokenizer
-        self._busy = False  # a call's requests are in the scheduler (a stream not yet read to its end)
+        # the stream not yet read to its end or closed; weak, so that one dropped unread is collected (and closed)
+        self._open: weakref.ref[EngineStream] | None = None
+        self._busy = False  # a call's requests are in the scheduler
 
     def _outputs(self, reqs: list[GenerateReq]) -> Iterator[tuple[str, OutputAccumulator]]:
         """Each output of `reqs` as it arrives, with its request's outputs so far. A caller that stops early (a
         stream closed before its end) aborts the requests still running, so their pages come back."""
         acc = {r.rid: OutputAccumulator() for r in reqs}
         pending = set(acc)
-        self._busy = True
         for r in reqs:
             self.scheduler.add_request(r)
         try:
@@ -78,7 +81,6 @@ class Engine:
             self.scheduler.drain()  # the overlap's step in flight: the extra rows of requests that already ended
             if pending:
                 self.scheduler.take_outputs()  # the aborts' outputs: nobody is left to read them
-            self._busy = False
 
     def _run(self, reqs: list[GenerateReq]) -> dict[str, dict]:
         t0 = time.time()
@@ -135,14 +137,26 @@ class Engine:
         ]
         reqs = [r for group in groups for r in group]
         if stream:
-            return self._stream(warm, reqs, single and len(reqs) == 1)
-        if warm:
-            self._run(warm)
-        done = self._run(reqs)
+            opened = EngineStream(self, self._stream(warm, reqs, single and len(reqs) == 1))
+            self._open = weakref.ref(opened)
+            return opened
+        self._busy = True
+        try:
+            if warm:
+                self._run(warm)
+            done = self._run(reqs)
+        finally:
+            self._busy = False
         results = [done[g[0].rid] if len(g) == 1 else [done[r.rid] for r in g] for g in groups]
         return results[0] if single else results
 
+    def _close_stream(self) -> None:
+        opened = self._open() if self._open is not None else None
+        if opened is not None:
+            opened.close()  # which aborts its requests; its reader sees the stream end
+
     def abort_all(self) -> None:
+        self._close_stream()
         self.scheduler.abort(AbortReq(abort_all=True))
         self.scheduler.step()
 
@@ -150,9 +164,45 @@ class Engine:
         return self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
+        self._close_stream()
         if self.scheduler is not None:
             self.scheduler.close()  # the step in flight and the forward thread (overlap)
         self.scheduler = None  # type: ignore[assignment]
+
+
+class EngineStream:
+    """generate(stream=True)'s iterator. It holds the Engine from the call on, so that a second call is refused
+    even before this one's first chunk is read, and lets go when read to its end or closed (closing aborts what
+    still runs, as does dropping it)."""
+
+    def __init__(self, engine: Engine, chunks: Iterator[dict]):
+        self.engine, self.chunks = engine, chunks
+        engine._busy = True
+
+    def __iter__(self) -> EngineStream:
+        return self
+
+    def __next__(self) -> dict:
+        if self.chunks is None:
+            raise StopIteration
+        try:
+            return next(self.chunks)
+        except BaseException:  # its end, or a failure inside the step: either way the Engine is free again
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.chunks is None:
+            return
+        chunks, self.chunks = self.chunks, None
+        try:
+            chunks.close()
+        finally:
+            self.engine._busy = False
+            self.engine._open = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 # what SamplingParams takes besides its own types (normalize() turns them into those)

@@ -330,17 +330,24 @@ def test_streamed_chunks_end_as_the_call_does(engines: Engines, ref: Reference) 
     for k, case in enumerate(cases):
         mine = [c for c in chunks if c["index"] == k]
         assert len(mine) == len(case.ref), f"generation {k}: {len(mine)} chunks"  # one a token
+        assert [len(c["output_ids"]) for c in mine] == list(range(1, len(mine) + 1))
         assert all(b["output_ids"][: len(a["output_ids"])] == a["output_ids"] for a, b in zip(mine, mine[1:]))
         assert all(b["text"].startswith(a["text"]) for a, b in zip(mine, mine[1:]))
         assert mine[-1]["meta_info"]["finish_reason"] is not None
         outs.append(mine[-1])
     assert_same(outs, cases, "streamed")
     stream = eng.generate(input_ids=cases[0].ids, sampling_params=greedy(64, ignore_eos=True), stream=True)
+    with pytest.raises(RuntimeError, match="stream open"):  # held from the call, before its first chunk
+        eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}, stream=True)
     first = next(stream)
     assert "index" not in first and len(first["output_ids"]) == 1
     with pytest.raises(RuntimeError, match="stream open"):
         eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
     stream.close()
+    assert_idle(eng)
+    dropped = eng.generate(input_ids=cases[0].ids, sampling_params=greedy(64, ignore_eos=True), stream=True)
+    next(dropped)
+    del dropped  # dropped mid-way: collected, closed, its request aborted
     assert_idle(eng)
     assert eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})["output_ids"]
 

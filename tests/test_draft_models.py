@@ -625,6 +625,21 @@ def test_the_ledger_counts_the_nextn_heads_kv(deepseek_dir: Path, deepseek) -> N
     assert nextn.line("draft guess slots").bytes == 4 * (3 + 1) * head_per_token  # SGLang's 3 steps, a chain
 
 
+def test_an_mtp_layer_missing_one_part_of_a_merged_weight_is_refused(deepseek, monkeypatch) -> None:
+    """Its MLP without up_proj loaded with that half of gate_up_proj left as whatever memory held: refused now,
+    naming the tensor, as the target's load refuses it."""
+    from kiln.speculative.nextn import build_nextn_drafter
+
+    target, _ = deepseek
+    kept = dict(target.model.mtp_weights)
+    gone = next(
+        n for n in kept if n.endswith("mlp.up_proj.weight") or n.endswith("shared_experts.up_proj.weight")
+    )
+    monkeypatch.setattr(target.model, "mtp_weights", {n: t for n, t in kept.items() if n != gone})
+    with pytest.raises(DraftRefused, match=r"MTP layer lacks 1 tensors, e.g. \[.*up_proj\.weight'\]"):
+        build_nextn_drafter(target, PoolSizes(POOL, RUNNING, CONTEXT, 1), 3)
+
+
 def test_nextn_needs_an_mtp_layer(target: ModelRunner) -> None:
     from kiln.speculative.nextn import build_nextn_drafter
 

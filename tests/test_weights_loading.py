@@ -130,7 +130,8 @@ def test_only_the_files_the_index_names_are_read(sharded):
     """A Mistral-format consolidated.safetensors beside the HF shards (Mistral's repos ship both)."""
     ckpt = _checkpoint(sharded)
     stray = sharded / "consolidated.safetensors"
-    save_file({"layers.0.attention.wq.weight": torch.zeros(32, 32)}, stray, metadata={"format": "pt"})
+    norm = ckpt["model.norm.weight"]  # a name the shards hold too: read, the stray zeros would replace it
+    save_file({"model.norm.weight": torch.zeros_like(norm)}, stray, metadata={"format": "pt"})
     try:
         names = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()
         assert sorted(Path(f).name for f in safetensors_files(str(sharded))) == sorted(set(names))

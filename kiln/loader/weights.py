@@ -217,7 +217,8 @@ def load_checked(
     parts = merged_parts(model)
     with shards_recorded(model, parts) as seen:
         loaded = model.load_weights(weights)
-    missing = [n for n, _ in model.named_parameters() if n not in loaded | exempt and n not in parts]
+    filled = loaded | exempt
+    missing = [n for n, _ in model.named_parameters() if n not in filled and n not in parts]
     stacked = getattr(model, "stacked_params", [])
     for name, ids in parts.items():  # a fused tensor (shard id None) fills no part by the layers' loaders
         missing += [_checkpoint_name(name, i, stacked) for i in ids if i not in seen[name]]

@@ -476,7 +476,7 @@ class Scheduler(OverlapSchedule):
         """A constrained request whose grammar allows no token now ends before sampling (see blocked_finish)."""
         assert req.matcher is not None
         req.finish_reason = blocked_finish(req.matcher)
-        req.pending_text += req.detok.flush()
+        req.pending_text += req.detok.flush(self.out.stops_live(req))
         self.running.remove(req)
         if req.finish_reason["type"] == "abort":
             self.counters.aborted += 1
@@ -492,9 +492,8 @@ class Scheduler(OverlapSchedule):
         self.reqs.pop(req.rid, None)
         if self.spec is not None:
             self.spec.release(req.rid)
-        if (
-            req.log_metrics
-        ):  # both at the end, as SGLang counts them: a hit rate over a window reads them together
+        # both at the end, as SGLang counts them: a hit rate over a window reads them together
+        if req.log_metrics:
             self.counters.prompt_tokens += len(req.input_ids)
             self.counters.cached_tokens += req.cached_tokens
         self.outbox.append(self.out.flush_output(req))

@@ -52,7 +52,8 @@ class RequestLog:
         }
         logger.info(
             f"Receive: rid={rid}, prompt_tokens={len(input_ids)}, sampling_params={changed}, "
-            f"text={self._clip(self.decode(input_ids))!r}"
+            # a token is at least a character: decoding more than MAX_CHARS of them would only be clipped
+            f"text={self._clip(self.decode(input_ids[: self.MAX_CHARS + 1]))!r}"
         )
 
     def output(self, out: ReqOutput, start: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import multiprocessing as mp
 import os
@@ -313,9 +314,14 @@ class Launcher:
         try:  # before the engine starts: a port in use is one line, not a refusal a minute into loading
             listener = _listen(self.args.host, self.args.port)
         except OSError as e:
+            taken = e.errno == errno.EADDRINUSE
+            hint = (
+                "another server holds it: stop that one, or choose another --port"
+                if taken
+                else "check --host"
+            )
             logger.error(
-                f"Kiln failed: cannot listen on {self.args.host}:{self.args.port}: {e.strerror or e} "
-                "(another server on that port? stop it, or choose another --port)"
+                f"Kiln failed: cannot listen on {self.args.host}:{self.args.port}: {e.strerror or e} ({hint})"
             )
             return 1
         self.start_engine()
@@ -335,7 +341,7 @@ class Launcher:
             app,
             host=self.args.host,
             port=self.args.port,
-            log_level=(self.args.log_level_http or self.args.log_level).lower(),
+            log_level=_uvicorn_level(self.args.log_level_http or self.args.log_level),
             timeout_graceful_shutdown=5,
             http=guarded_protocol(self.args),
             timeout_keep_alive=self.args.timeout_keep_alive,
@@ -356,6 +362,12 @@ class Launcher:
         return self.exit_code
 
 
+def _uvicorn_level(level: str) -> str:
+    """uvicorn knows six level names; Python's logging takes others too (warn, fatal), which map to uvicorn's."""
+    level = {"warn": "warning", "fatal": "critical"}.get(level.lower(), level.lower())
+    return level if level in uvicorn.config.LOG_LEVELS else "info"
+
+
 class _AccessLogExclude(logging.Filter):
     """--uvicorn-access-log-exclude-prefixes: uvicorn's access record has (client, method, path, version, status)."""
 
@@ -370,14 +382,18 @@ class _AccessLogExclude(logging.Filter):
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound as uvicorn binds its own (SO_REUSEADDR)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """The server's socket, bound and listening before the engine starts. Its family follows the host as
+    uvicorn's own binding does (IPv6 for an address with a colon); SO_REUSEADDR as asyncio sets it, and an IPv6
+    socket serves IPv6 alone, as asyncio's does. Listening at once makes the port ours: a second server
+    starting meanwhile finds it taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.bind(addr)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
     except OSError:
         sock.close()
         raise

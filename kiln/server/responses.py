@@ -93,7 +93,7 @@ def _piece(tokenizer, token_id: int) -> str:
 def _completion_token(tokenizer, token_id: int) -> str:
     """A legacy completions token as OpenAI spells it: its text, or, where its bytes are not UTF-8 on their own
     (part of a character), "bytes:" and the bytes as Python writes them (printable ASCII as is, others \\xNN,
-    as OpenAI's "bytes: \\xe5"), so that such tokens stay distinct (as top_logprobs keys too) rather than all
+    as OpenAI's "bytes:\\xe5"), so that such tokens stay distinct (as top_logprobs keys too) rather than all
     reading U+FFFD."""
     raw = bytes(token_bytes_for(tokenizer)(token_id))
     try:

@@ -19,7 +19,7 @@ from torch import nn
 from kiln.core.forward_batch import ForwardBatch
 from kiln.layers.moe import check_experts_loaded, load_expert_weights
 from kiln.layers.norm import RMSNorm
-from kiln.loader.weights import build_materialized
+from kiln.loader.weights import build_materialized, load_checked
 from kiln.models.config import ModelConfig
 from kiln.models.deepseek_v3 import STACKED_MLP_PARAMS, DeepseekV3DecoderLayer
 from kiln.models.llama import LlamaForCausalLM
@@ -129,12 +129,11 @@ def build_nextn_drafter(
         cfg.model_path, cfg.architecture, getattr(cfg.hf_config, "num_nextn_predict_layers", 0) and mtp
     )
     head = build_materialized(NextnHead, cfg, target.dtype, target.device)
-    loaded = head.load_weights((n, t.to(target.device)) for n, t in head_weights(mtp, cfg.num_layers))
-    missing = {n for n, _ in head.named_parameters()} - loaded
-    if missing:
-        raise DraftRefused(
-            f"{cfg.model_path}'s MTP layer lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-        )
+    weights = ((n, t.to(target.device)) for n, t in head_weights(mtp, cfg.num_layers))
+    try:  # the target's checks: a whole tensor or one part of a merged one (gate or up) left unfilled
+        load_checked(head, weights, f"{cfg.model_path}'s MTP layer", set())
+    except ValueError as e:
+        raise DraftRefused(str(e).removeprefix("checkpoint ")) from None
     head.share_target(model)
     model.capture_hidden = "last"
     runner = ModelRunner(
