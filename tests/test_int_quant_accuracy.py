@@ -110,8 +110,8 @@ def _spy_formats(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]:
     formats: list[dict[str, int]] = []
     pack = cpu_gemm.prepack_module_weights
 
-    def spy(model: torch.nn.Module) -> tuple[int, dict[str, int]]:
-        count, kinds = pack(model)
+    def spy(model: torch.nn.Module, *reporting) -> tuple[int, dict[str, int]]:
+        count, kinds = pack(model, *reporting)
         formats.append(kinds)
         return count, kinds
 
