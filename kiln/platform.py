@@ -191,6 +191,17 @@ def attention_interpreted(device: str, attention_backend: str | None) -> bool:
     return device == "cpu" and attention_backend == "triton"
 
 
+def fused_step_kernels(device: str, dtype: str) -> bool:
+    """Whether a step's norms, SiLU-and-multiply and rotary run as Kiln's fused Triton kernels
+    (kiln.layers.fused): half-precision activations on CUDA, Triton installed, KILN_TRITON_FUSED not off."""
+    return (
+        device.startswith("cuda")
+        and dtype in ("bfloat16", "float16")
+        and envs.triton_fused() != "off"
+        and importlib.util.find_spec("triton") is not None
+    )
+
+
 def integer_compute(mode: str) -> bool:
     """Whether --cpu-gemm `mode` multiplies quantized weights with integer arithmetic (auto, kiln)."""
     return check_cpu_gemm(mode) in ("auto", "kiln")

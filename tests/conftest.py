@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -90,6 +91,20 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     return str(build_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3")))
+
+
+def children_left(children: list) -> list[list[str]]:
+    """The command lines of those of a stopped server's `children` still running after a bounded wait: Python's
+    resource tracker ends on its own once its parent has exited, a moment after the parent's exit is seen."""
+    import psutil
+
+    _, alive = psutil.wait_procs(children, timeout=10)
+    left = []
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p.cmdline())
+    return left
 
 
 def free_port() -> int:

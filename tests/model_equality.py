@@ -11,6 +11,7 @@ model."""
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def random_model(config_cls, model_cls, seed: int, **config):
     from kiln.loader.default_model import default_model_path
     from kiln.text.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(default_model_path())
+    # KILN_TINY_LLAMA's model holds the same tokenizer, for a machine without the default model (conftest.py)
+    tok = load_tokenizer(os.environ.get("KILN_TINY_LLAMA") or default_model_path())
     cfg = config_cls(
         vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **config
     )
@@ -141,7 +143,7 @@ def spy_logits(eng: kiln.Engine, prompt: list[int]) -> tuple[torch.Tensor, list[
         (out,) = generate(eng, [prompt])
     finally:
         del runner.forward
-    return torch.cat(seen), out["output_ids"]
+    return torch.cat(seen).cpu(), out["output_ids"]
 
 
 class EngineEquality:

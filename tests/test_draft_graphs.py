@@ -78,13 +78,19 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
     num_steps + 1 rows, on CUDA within the same rows), on CUDA with the draft graphs' buffers; NGRAM has no
     draft steps."""
     from kiln.config import ServerArgs
-    from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CUDA_BYTES_PER_GRAPH
+    from kiln.memory.graph_budget import (
+        CPU_COMPILED_STEP_BYTES,
+        CUDA_BYTES_PER_FUSED_GRAPH,
+        CUDA_BYTES_PER_GRAPH,
+    )
     from kiln.scheduler.launch import plan_ledger
 
     target, head = paths
     base = dict(model_path=str(target), device=device, device_memory="16GiB", cuda_graph_bs=(1, 2, 4))
     plain = plan_ledger(ServerArgs(**base)).ledger
-    eagle = plan_ledger(ServerArgs(**base, **SPEC, speculative_draft_model_path=head)).ledger
+    eagle_plan = plan_ledger(ServerArgs(**base, **SPEC, speculative_draft_model_path=head))
+    eagle = eagle_plan.ledger
+    per_graph = CUDA_BYTES_PER_FUSED_GRAPH if eagle_plan.inputs.fused_step_kernels else CUDA_BYTES_PER_GRAPH
     ngram = plan_ledger(ServerArgs(**base, speculative_algorithm="NGRAM", speculative_eagle_topk=1)).ledger
     line = eagle.line("graph reserve").inputs
     config = json.loads((target / "config.json").read_text())
@@ -96,7 +102,7 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
     else:  # within 4 rows: verify 3, the head's decode steps 1, 2, 4 and catch-up 3
         extra = eagle.graph_reserve_bytes - plain.graph_reserve_bytes
         head_steps, catch_up = draft_graph_bytes(config, 4, 4), draft_graph_bytes(config, 3, 1)
-        assert extra == (1 + 3 + 1) * CUDA_BYTES_PER_GRAPH + head_steps + catch_up
+        assert extra == (1 + 3 + 1) * per_graph + head_steps + catch_up
         assert f"draft steps {(head_steps + catch_up) / 2**20:.0f} MiB" in line
     # a draft model's catch-up extends on the prefill pieces up to the one holding 4 x 3 tokens: 4, 8 and 16
     pieces = dict(base, cuda_graph_bs_prefill=(4, 8, 16, 32))
@@ -112,7 +118,7 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
         assert extra == (3 + 3 + 3) * CPU_COMPILED_STEP_BYTES  # verify shapes, decode steps, extends
     else:  # and the draft's decode steps' largest graph, 4 rows
         graphs = 1 + 3 + 3 * config["num_hidden_layers"] * 2
-        assert extra == graphs * CUDA_BYTES_PER_GRAPH + draft_graph_bytes(config, 4, 4)
+        assert extra == graphs * per_graph + draft_graph_bytes(config, 4, 4)
 
 
 def draft_graph_bytes(config: dict, rows: int, logits_rows: int) -> int:

@@ -336,11 +336,8 @@ def _replaying_capture(fn, pool):
     return fn, pool
 
 
-def test_cuda_backends_buffers_match_eager_on_the_cpu(tiny_llama):
-    """The CUDA decode graphs and breakable prefill graphs, with capture replaced by re-running the captured
-    function, give eager's tokens: batches that hit, pad and straddle; prefills that pad, hit and fall back;
-    decodes whose sequences outgrow the graphs' KV width (32) fall back to eager."""
-    common = dict(model_path=tiny_llama, max_total_tokens=4096, max_running_requests=16, num_threads=1)
+def _cuda_backends_on_the_cpu(prefill: tuple[int, ...] = PREFILL, **kwargs) -> kiln.Engine:
+    """An engine whose graphs are the CUDA ones, with capture replaced by re-running the captured function."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
             graph_runner,
@@ -351,7 +348,15 @@ def test_cuda_backends_buffers_match_eager_on_the_cpu(tiny_llama):
         )
         mp.setattr(graph_runner, "CompiledPrefill",
                    lambda model, attn, device: BreakablePrefill(model, attn, device, _replaying_capture))  # fmt: skip
-        graphs = kiln.Engine(**common, cuda_graph_bs=CAPTURED, cuda_graph_bs_prefill=PREFILL)
+        return kiln.Engine(**kwargs, cuda_graph_bs=CAPTURED, cuda_graph_bs_prefill=prefill)
+
+
+def test_cuda_backends_buffers_match_eager_on_the_cpu(tiny_llama):
+    """The CUDA decode graphs and breakable prefill graphs, with capture replaced by re-running the captured
+    function, give eager's tokens: batches that hit, pad and straddle; prefills that pad, hit and fall back;
+    decodes whose sequences outgrow the graphs' KV width (32) fall back to eager."""
+    common = dict(model_path=tiny_llama, max_total_tokens=4096, max_running_requests=16, num_threads=1)
+    graphs = _cuda_backends_on_the_cpu(**common)
     eager = kiln.Engine(**common, disable_cuda_graph=True)
     runner = graphs.scheduler.runner.graphs
     assert runner.captured("decode") == list(CAPTURED) and runner.captured("prefill") == list(PREFILL)
@@ -367,6 +372,19 @@ def test_cuda_backends_buffers_match_eager_on_the_cpu(tiny_llama):
     ran = set(run.decodes)
     assert {(1, True), (2, True), (3, True)} <= ran and any(bs > 4 and not on for bs, on in ran), ran
     assert runner.failed_replays > 0  # the 64- and 100-token prompts decode beyond the width: eagerly
+
+
+def test_prefill_graphs_longer_than_the_context(tiny_llama):
+    """A prefill graph of more tokens than the rotary table holds (the context, 4096, + 8: a batch of prompts is
+    longer than any one of them) captures, its dummy prompt's positions inside the table, and gives eager's
+    tokens to two prompts prefilled together in it."""
+    common = dict(model_path=tiny_llama, max_total_tokens=8192, chunked_prefill_size=8192, num_threads=1)
+    graphs = _cuda_backends_on_the_cpu((16, 4160), **common)
+    g = torch.Generator().manual_seed(5)
+    schedule = [(0, torch.randint(100, 40000, (2060,), generator=g).tolist(), 3) for _ in range(2)]
+    run = drive(graphs, schedule)
+    assert (4120, True) in run.prefills, run.prefills
+    assert run.outs == drive(kiln.Engine(**common, disable_cuda_graph=True), schedule).outs
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -398,3 +398,20 @@ def test_plan_moe_models_per_rank(capsys, model_dir, monkeypatch, name: str, tp:
         assert lines["kv pool"] == (data["max_total_num_tokens"] + 1) * cell(tp)
     else:
         assert data["failure"]["moment"] == "load_weights"
+
+
+def test_cuda_graph_reserve_follows_the_attention_backend_and_the_fused_kernels():
+    """Llama-3-8B's shape, decode bs <= 64, prefill <= 8192 tokens: the Triton backend reads the pool in place (no
+    gathered K and V of one layer, 64 x 2048 wide, in the decode graphs); fused step kernels keep no float32
+    copies in a norm (2 x 4096 x 4 B a token) and hold fewer kernels a graph."""
+    from kiln.memory.graph_budget import CUDA_BYTES_PER_FUSED_GRAPH, CUDA_BYTES_PER_GRAPH
+
+    kw = dict(mem_gib=141, cuda_graph_max_bs=64, max_running_requests=64, context_length=8192)
+    gathering = ledger(LLAMA_31_8B, **kw)
+    in_place = ledger(LLAMA_31_8B, attention_gathers=False, **kw)
+    fused = ledger(LLAMA_31_8B, attention_gathers=False, fused_step_kernels=True, **kw)
+    assert gathering.graph_reserve_bytes - in_place.graph_reserve_bytes == 64 * 2048 * (1024 + 1024) * 2
+    graphs = len(in_place.graph_batch_sizes) + 58 * 32 * 2  # 58 prefill token counts, two pieces a layer
+    per_graph = CUDA_BYTES_PER_GRAPH - CUDA_BYTES_PER_FUSED_GRAPH
+    assert in_place.graph_reserve_bytes - fused.graph_reserve_bytes == 8192 * 2 * 4096 * 4 + graphs * per_graph
+    assert f"{graphs} graphs x 0.15 MiB" in fused.line("graph reserve").inputs

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from conftest import ServerProcess, assert_pool_at_baseline
+from conftest import ServerProcess, assert_pool_at_baseline, children_left
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -410,8 +410,7 @@ def test_sigterm_under_load_drains_aborts_and_exits_0(servers):
         assert finish in ("length", "abort"), chunks[-1]
         assert done
     assert any(c["choices"][0]["finish_reason"] == "abort" for res in results for c in res[0] if c["choices"])
-    time.sleep(1)
-    left = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = children_left(children)
     assert not left, f"children left after shutdown: {left}"
 
 

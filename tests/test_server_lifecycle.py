@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from conftest import ServerProcess
+from conftest import ServerProcess, children_left
 
 pytestmark = pytest.mark.slow
 
@@ -266,7 +266,8 @@ def test_a_signal_during_startup_stops_it_cleanly(tiny_llama, tmp_path):
         log = srv.log_text()
         assert "Shutting down during startup" in log and "Kiln stopped" in log, log[-3000:]
         assert "Traceback" not in log and "leaked" not in log, log[-3000:]
-        assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        left = children_left(children)
+        assert not left, left
     finally:
         srv.stop()
 

@@ -171,6 +171,26 @@ def test_extend_reads_a_bfloat16_pool_in_float32():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_k_and_v_as_indexing_does(dtype):
+    """K and V read out of one q/k/v row as the layer leaves them (k a slice of the rotated q and k, v of the
+    projection), written to scattered slots in one launch: the pool as torch's indexing leaves it; a K of another
+    dtype than the pool's is refused with nothing written."""
+    hq, hk, dim, tokens = 6, 2, 20, 5
+    k_cache, v_cache = pool(40, hk, dim, dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    qk = torch.randn(tokens, hq + hk, dim, device=DEVICE).to(dtype)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * dim, device=DEVICE).to(dtype)
+    k, v = qk[:, hq:], qkv[:, (hq + hk) * dim :].view(tokens, hk, dim)
+    slots = torch.tensor([7, 31, 2, 39, 11], device=DEVICE)
+    want_k[slots], want_v[slots] = k, v
+    assert triton_attention.store_kv(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    before = k_cache.clone()
+    assert not triton_attention.store_kv(k_cache, v_cache, slots, k.double(), v)
+    assert torch.equal(k_cache, before)
+
+
 def test_a_model_served_with_the_triton_backend_gives_transformers_tokens(tiny_llama):
     """--attention-backend triton end to end (eager steps) on a random tiny Llama: prompts alone, batched (one
     extend launch for several requests, decode rows of different lengths), a radix hit (an extend on a cached

@@ -105,6 +105,49 @@ def decode_rate(engine, batch: int, context: int, new: int) -> float:
     return batch * (new - 1) / (run(new) - first)
 
 
+GEMM_MARKERS = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "cublas")
+
+
+def decode_profile(engine, context: int, steps: int, top: int = 14) -> dict:
+    """Where a batch-1 decode step's time goes on the GPU: torch's profiler over `steps` decode steps of a prompt
+    already in the radix cache (its prefill is not in the window), kernels grouped by name. Kernel time per step
+    against wall time per step says whether the GPU or the host sets the pace; GEMM kernels against the rest says
+    how much of the GPU's time reads weights."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = [[(13 * j) % 1000 + 10 for j in range(context)]]
+    params = {"max_new_tokens": steps + 1, "ignore_eos": True, "temperature": 0}
+    engine.generate(input_ids=prompt, sampling_params=params)  # cached now: the profiled run is decode steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(input_ids=prompt, sampling_params=params)
+        sync("cuda" if torch.cuda.is_available() else "cpu")
+        wall = time.perf_counter() - t0
+    kernels = [
+        e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+    total = sum(e.self_device_time_total for e in kernels)  # microseconds
+    gemm = sum(e.self_device_time_total for e in kernels if any(m in e.key.lower() for m in GEMM_MARKERS))
+    per_step = steps + 1
+    rows = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {
+        "steps": per_step,
+        "wall_us_per_step": wall * 1e6 / per_step,
+        "kernel_us_per_step": total / per_step,
+        "gemm_us_per_step": gemm / per_step,
+        "kernels_per_step": sum(e.count for e in kernels) / per_step,
+        "top": [
+            {
+                "kernel": e.key[:90],
+                "calls_per_step": e.count / per_step,
+                "us_per_step": e.self_device_time_total / per_step,
+            }
+            for e in rows
+        ],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -116,6 +159,9 @@ def main() -> None:
         "--tiny", action="store_true", help="a 2-layer model of the same kind: the script's smoke test"
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--profile", action="store_true", help="also profile batch-1 decode steps' kernels (CUDA)"
+    )
     args = ap.parse_args()
     import kiln
 
@@ -140,6 +186,7 @@ def main() -> None:
         figures["capture"] = {
             "seconds": sum(phase["capture_seconds"] for phase in graphs.values()),
             "bytes": captured,
+            "bytes_by_phase": {name: phase["capture_bytes"] for name, phase in graphs.items()},
             "ledger_reserve_bytes": ledger.graph_reserve_bytes,
             "over_ledger": captured / max(1, ledger.graph_reserve_bytes),
         }
@@ -151,6 +198,8 @@ def main() -> None:
         "bytes_per_token": bytes_per_token,
         "share_of_bandwidth": one * bytes_per_token / (figures["bandwidth_gbs"] * 1e9),
     }
+    if args.profile:
+        figures["profile_bs1"] = decode_profile(engine, context, 32 if not args.tiny else 4)
     many = decode_rate(engine, 64 if not args.tiny else 8, context, new)
     figures["decode_bs64"] = {
         "tok_s": many,

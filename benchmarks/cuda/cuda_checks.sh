@@ -6,6 +6,9 @@
 #   bash benchmarks/cuda/cuda_checks.sh 2   # CUDA tests, default capture, graph and overlap benchmarks, fused A/B
 #   bash benchmarks/cuda/cuda_checks.sh 3   # FP8 block weights kept on the GPU: their tests natively, their speed;
 #                                           # a draft head's captured catch-ups against eager
+#   bash benchmarks/cuda/cuda_checks.sh 4   # the tests alone of parts 2 and 3, for a few minutes left after part 1
+#   bash benchmarks/cuda/cuda_checks.sh 5   # one short call: the 8B-class model with a profile of its batch-1
+#                                           # decode steps, every GPU test, a draft head's catch-ups
 # Every log lands in $OUT as it is written, so a part stopped at its limit still returns what it did.
 part=${1:-1}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -56,5 +59,32 @@ if [ "$part" = 3 ]; then
   timeout 120 python3 benchmarks/bench_catch_up.py --device cuda --model-path /tmp/smol --bs 1 8 32 \
     --json $OUT/bench_catch_up.json > $OUT/bench_catch_up.log 2>&1
   grep -v "Capturing" $OUT/bench_catch_up.log | tail -6
+fi
+if [ "$part" = 4 ]; then
+  step "CUDA tests, then FP8 block weights kept in FP8 against transformers"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graphs.py tests/test_allocator.py \
+    tests/test_overlap.py -rA > $OUT/cuda_tests.log 2>&1
+  tail -c 1500 $OUT/cuda_tests.log
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_weights.py -rA > $OUT/fp8_tests.log 2>&1
+  tail -c 1500 $OUT/fp8_tests.log
+fi
+if [ "$part" = 5 ]; then
+  step "8B-class model against the GPU's limits, --attention-backend triton, batch-1 decode profiled"
+  timeout 150 python3 benchmarks/cuda/bench_8b.py --tokenizer .devcarry/tiny-llama --attention-backend triton \
+    --profile --json $OUT/bench_8b_profiled.json > $OUT/bench_8b_profiled.log 2>&1
+  grep -v "Capturing" $OUT/bench_8b_profiled.log | tail -70
+  step "GPU tests: Triton kernels, CUDA graphs and overlap, FP8 weights kept"
+  timeout 80 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graphs.py tests/test_allocator.py \
+    tests/test_overlap.py -rfE > $OUT/cuda_tests.log 2>&1
+  tail -c 1500 $OUT/cuda_tests.log
+  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_fused.py \
+    tests/test_device_sampler.py tests/test_fp8_weights.py \
+    "tests/test_deepseek.py::test_an_fp8_checkpoint_loads_and_matches_transformers" -rfE > $OUT/gpu_tests.log 2>&1
+  tail -c 3000 $OUT/gpu_tests.log
+  step "a draft head's catch-ups: CUDA graphs against eager extends and eager decode rows"
+  timeout 40 python3 benchmarks/cuda/make_random_smollm.py /tmp/smol .devcarry/tiny-llama 2>&1 | tail -1
+  timeout 90 python3 benchmarks/bench_catch_up.py --device cuda --model-path /tmp/smol --bs 1 8 32 \
+    --json $OUT/bench_catch_up.json > $OUT/bench_catch_up.log 2>&1
+  grep -v "Capturing" $OUT/bench_catch_up.log | tail -8
 fi
 step "done"

@@ -10,6 +10,7 @@ from torch import nn
 
 from kiln.core.sharding import divide, kv_heads_per_rank
 from kiln.distributed import all_reduce, tp_rank, tp_size
+from kiln.layers import fused
 from kiln.layers.cpu_gemm import linear, prepack
 from kiln.layers.fp8_linear import copy_blocks
 from kiln.layers.quant_rows import keep_rows, pop_rows
@@ -150,3 +151,15 @@ class RowParallelLinear(_PrepackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self._matmul(x, None))
         return y + self.bias if self.bias is not None else y
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + forward(x). Where the step's elementwise work is fused (kiln.layers.fused: half precision
+        on CUDA), one rank's plain weight adds the residual in the GEMM's epilogue (cuBLAS's beta = 1): a kernel
+        less a layer, rounded once. With several ranks the residual must wait for the all-reduce."""
+        w = self.weight
+        if (
+            fused.kernels(x) is not None and x.is_cuda and x.dim() == 2 and tp_size() == 1 and self.bias is None
+            and self.fp8_block is None and not self.packed and w.dtype == x.dtype == residual.dtype
+        ):  # fmt: skip
+            return torch.addmm(residual, x, w.t())
+        return residual + self.forward(x)

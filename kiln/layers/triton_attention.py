@@ -31,6 +31,7 @@ __all__ = [
     "ExtendPlan",
     "dot_dtype",
     "extend_plan",
+    "store_kv",
 ]
 
 
@@ -189,6 +190,35 @@ if triton is not None:
             out.to(Out.dtype.element_ty),
             mask=mvalid[:, None] & dmask[None, :],
         )
+
+    @triton.jit
+    def _store_kv_kernel(
+        K, V, Slots, KPool, VPool, stride_k, stride_v, stride_kp, stride_vp, n, BLOCK: tl.constexpr
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(Slots + t).to(tl.int64)
+        col = tl.arange(0, BLOCK)
+        inside = col < n
+        tl.store(KPool + slot * stride_kp + col, tl.load(K + t * stride_k + col, mask=inside), mask=inside)
+        tl.store(VPool + slot * stride_vp + col, tl.load(V + t * stride_v + col, mask=inside), mask=inside)
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """k and v [T, Hk, D] into the pool's rows `slots` [T] in one launch (torch's indexing takes one per tensor).
+    False, with nothing written, where a row of k or v is not one contiguous run of the pool's dtype: the caller
+    then stores them itself."""
+    rows = (k, v, k_cache, v_cache)
+    if any(x.dtype != k_cache.dtype or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] for x in rows):
+        return False
+    n = k.shape[1] * k.shape[2]
+    if slots.shape[0]:
+        _store_kv_kernel[(slots.shape[0],)](
+            k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0), n,
+            BLOCK=_pow2(n),
+        )  # fmt: skip
+    return True
 
 
 def decode_splits(width: int, max_splits: int, per_split: int) -> int:

@@ -30,10 +30,12 @@ CPU_COMPILER_BYTES = 64 * MIB
 CPU_COMPILED_STEP_BYTES = 24 * MIB
 # CUDA graphs, calibrated on an H200 (docs/benchmarks.md): the first capture of a process pays a fixed runtime
 # whatever the model (GEMM workspaces of the capture streams, kernels loaded on first use, graph instantiation),
-# then each graph a small cost of its own; the runtime is rounded up from the largest capture seen, so the reserve
-# covers it.
+# then each graph a small cost of its own, which follows the kernels in it: a piece of fused step kernels
+# (kiln.platform.fused_step_kernels) holds about a third of the torch code's; the runtime is rounded up from the
+# largest capture seen, so the reserve covers it.
 CUDA_GRAPH_RUNTIME_BYTES = 320 * MIB
 CUDA_BYTES_PER_GRAPH = MIB // 4
+CUDA_BYTES_PER_FUSED_GRAPH = int(0.15 * MIB)
 
 
 def cuda_defaults(device_memory_bytes: int, tp: int) -> tuple[int, int]:
@@ -121,7 +123,7 @@ def cuda_graph_reserve(
     """The graphs' runtime; decode: the static logits and the largest graph's logits and gathered K and V of one
     layer (and the draft's decode and catch-up graphs' the same); prefill: at the largest token count, the static
     buffers (two hidden states, attention output, q/k/v, cos/sin) and one piece's activations (gate_up, its
-    product, float32 norms); and a cost per graph."""
+    product, float32 norms unless fused); and a cost per graph (less where the step's kernels are fused)."""
     cfg = text_config(inputs.hf_config)
     decode_bytes = _decode_graph_bytes(inputs, max(sizes)) if sizes else 0
     draft_bytes = _draft_graph_bytes(inputs, sizes)
@@ -130,9 +132,8 @@ def cuda_graph_reserve(
     # a draft model's extends on prefill pieces: two graphs per layer per token count, as the target's prefill
     draft += len(_draft_extends(inputs, sizes, prefill)) * inputs.draft_extend_layers * 2
     graphs = len(sizes) + verify + draft + len(prefill) * required(cfg, "num_hidden_layers") * 2
-    total = (
-        CUDA_GRAPH_RUNTIME_BYTES + decode_bytes + draft_bytes + prefill_bytes + graphs * CUDA_BYTES_PER_GRAPH
-    )
+    per_graph = CUDA_BYTES_PER_FUSED_GRAPH if inputs.fused_step_kernels else CUDA_BYTES_PER_GRAPH
+    total = CUDA_GRAPH_RUNTIME_BYTES + decode_bytes + draft_bytes + prefill_bytes + graphs * per_graph
     if is_mla(cfg):
         total += 1536 * MIB  # SGLang's MLA allowance
     text = (
@@ -140,7 +141,7 @@ def cuda_graph_reserve(
         f"{decode_bytes / MIB:.0f} MiB + "
         + (f"draft steps {draft_bytes / MIB:.0f} MiB + " if draft_bytes else "")
         + f"prefill <= {max(prefill, default=0)} tokens {prefill_bytes / MIB:.0f} MiB + "
-        f"{graphs} graphs x {CUDA_BYTES_PER_GRAPH / MIB:.2f} MiB"
+        f"{graphs} graphs x {per_graph / MIB:.2f} MiB"
     )
     return total, text
 
@@ -164,17 +165,15 @@ def _decode_graph_bytes(
     inputs: LedgerInputs, batch: int, logits_rows: int | None = None, hf_config: dict | None = None
 ) -> int:
     """The largest decode graph: static and graph logits (of every row, or `logits_rows`), and one layer's K and V
-    gathered to the graphs' width; of the target, or of the model `hf_config` describes (a draft's, whose logits
-    are over its own vocabulary: EAGLE-3's draft_vocab_size)."""
+    gathered to the graphs' width where attention gathers them; of the target, or of the model `hf_config`
+    describes (a draft's, whose logits are over its own vocabulary: EAGLE-3's draft_vocab_size)."""
     cfg = text_config(hf_config or inputs.hf_config)
     kv_element_bytes = dtype_bytes(kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype))
     key_width, value_width, _ = kv_dims(cfg, inputs.tp_size)
     width = min(inputs.context_length or context_len_of(inputs.hf_config), CUDA_GRAPH_KV_WIDTH)
     vocab = int(cfg.get("draft_vocab_size") or required(cfg, "vocab_size"))
-    return (
-        2 * (batch if logits_rows is None else logits_rows) * vocab * 4
-        + batch * width * (key_width + value_width) * kv_element_bytes
-    )
+    gathered = batch * width * (key_width + value_width) * kv_element_bytes if inputs.attention_gathers else 0
+    return 2 * (batch if logits_rows is None else logits_rows) * vocab * 4 + gathered
 
 
 def _prefill_graph_bytes(inputs: LedgerInputs, tokens: int) -> int:
@@ -186,9 +185,8 @@ def _prefill_graph_bytes(inputs: LedgerInputs, tokens: int) -> int:
     query_width = math.ceil(required(cfg, "num_attention_heads") / tp) * head_dim(cfg)
     intermediate = math.ceil(int(cfg.get("intermediate_size") or hidden) / tp)
     static_buffers = 3 * hidden + query_width + key_width + value_width + 2 * head_dim(cfg)
-    return tokens * activation_bytes * static_buffers + tokens * (
-        3 * intermediate * activation_bytes + 2 * hidden * 4
-    )
+    norms = 0 if inputs.fused_step_kernels else 2 * hidden * 4  # the torch code's float32 copies
+    return tokens * activation_bytes * static_buffers + tokens * (3 * intermediate * activation_bytes + norms)
 
 
 def sglang_graph_reserve(inputs: LedgerInputs, sizes: tuple[int, ...], prefill: tuple[int, ...]) -> int:

@@ -47,6 +47,11 @@ class LedgerInputs:
     hicache_storage_dir: str | None = None  # the file storage tier's directory; None: no storage tier
     draft_hf_config: dict | None = None  # speculative decoding draft model
     fp8_weights_kept: bool = False  # an FP8 checkpoint's weights held in FP8 (kiln.platform.fp8_weights_kept)
+    # decode graphs gather one layer's K and V to the graphs' width (torch SDPA); the Triton backend reads the pool
+    attention_gathers: bool = True
+    fused_step_kernels: bool = (
+        False  # kiln.platform.fused_step_kernels: no float32 copies in a norm's activations
+    )
     # speculative decoding's graph shapes (kiln.speculative.settings.with_speculation fills them from the resolved
     # settings): verify rows per request (num_draft_tokens), and the draft's decode rows per request (its topk;
     # 0 without a draft model of its own)
@@ -103,6 +108,8 @@ class LedgerInputs:
             disable_cuda_graph=args.disable_cuda_graph
             or platform.attention_interpreted(device, args.attention_backend),
             disable_prefill_graph=args.disable_prefill_graph,
+            attention_gathers=args.attention_backend != "triton",
+            fused_step_kernels=platform.fused_step_kernels(device, dtype),
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_size_gb=args.hicache_size,
             hicache_ratio=args.hicache_ratio,

@@ -77,6 +77,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + forward(x), the add in down_proj's GEMM where it can be (RowParallelLinear.forward_add)."""
+        return self.down_proj.forward_add(silu_and_mul(self.gate_up_proj(x)), residual)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
@@ -97,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def after_attention(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         h, normed = self.post_attention_layernorm.add_forward(self.self_attn.o_proj(attn_out), h)
-        return h + self.mlp(normed)
+        return self.mlp.forward_add(normed, h) if isinstance(self.mlp, LlamaMLP) else h + self.mlp(normed)
 
     def forward(self, cos_sin, h: torch.Tensor, fb: ForwardBatch, rotary, attn, pieces: Pieces | None = None):
         before = pieces.before if pieces else LlamaDecoderLayer.before_attention

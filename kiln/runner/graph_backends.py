@@ -355,10 +355,12 @@ class CudaGraphDecode:
 
 # ---------------------------------------------------------------------------------------------- prefill
 def dummy_extend_batch(tokens: int, device, attn: AttentionBackend) -> ForwardBatch:
-    """One fresh prompt of `tokens` tokens whose KV all goes to the padding slot 0, with its attention metadata."""
+    """One fresh prompt of `tokens` tokens whose KV all goes to the padding slot 0, with its attention metadata.
+    Every position is 0: a capture's token count may pass the context length, where the rotary table ends (a
+    prefill of many prompts is longer than any one of them)."""
     slots = torch.zeros(tokens, dtype=torch.int64, device=device)
     fb = ForwardBatch(
-        ForwardMode.EXTEND, slots.clone(), torch.arange(tokens, device=device), slots,
+        ForwardMode.EXTEND, slots.clone(), slots.clone(), slots,
         logits_index=torch.tensor([tokens - 1], device=device), extend_lens=[tokens], prefix_lens=[0],
         seq_slots=[slots],
     )  # fmt: skip

@@ -62,7 +62,7 @@ class TargetSlotKV:
         draft slot s is target slot s; set up the stamps."""
         self.mirrored = target_rows
         reserved = self.runner.allocator.alloc(target_rows - 1)
-        assert reserved is not None and bool((reserved == torch.arange(1, target_rows)).all()), (
+        assert reserved is not None and bool((reserved.cpu() == torch.arange(1, target_rows)).all()), (
             "the draft pool must start fresh, with room for the target's slots"
         )
         self.stamps = torch.zeros(target_rows, dtype=torch.int64)

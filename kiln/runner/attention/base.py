@@ -48,12 +48,16 @@ class AttentionBackend(ABC):
             raise ValueError(
                 "the batch has no attention metadata: prepare_metadata builds it before the model runs"
             )
-        self.kv_pool.write(layer, fb.out_cache_loc, k, v)
+        self.write_kv(layer, fb.out_cache_loc, k, v)
         if fb.mode == ForwardMode.DECODE:
             out = self.decode(layer, q, fb, meta, scale)
         else:
             out = self.extend(layer, q, k, v, fb, meta, scale)
         return out.reshape(q.shape[0], -1)
+
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new tokens' K and V into the pool's rows `slots`."""
+        self.kv_pool.write(layer, slots, k, v)
 
     @abstractmethod
     def decode(

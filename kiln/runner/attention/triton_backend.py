@@ -56,6 +56,11 @@ class TritonBackend(AttentionBackend):
         """A captured step's rows are cut into the most chunks: the table's width is not known at capture."""
         return AttentionMetadata(kv_splits=MAX_KV_SPLITS)
 
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K and V in one kernel, read out of the step's q/k/v as they lie."""
+        if not triton_attention.store_kv(self.kv_pool.k[layer], self.kv_pool.v[layer], slots, k, v):
+            super().write_kv(layer, slots, k, v)
+
     def decode(
         self, layer: int, q: torch.Tensor, fb: ForwardBatch, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
