@@ -413,5 +413,7 @@ def test_cuda_graph_reserve_follows_the_attention_backend_and_the_fused_kernels(
     assert gathering.graph_reserve_bytes - in_place.graph_reserve_bytes == 64 * 2048 * (1024 + 1024) * 2
     graphs = len(in_place.graph_batch_sizes) + 58 * 32 * 2  # 58 prefill token counts, two pieces a layer
     per_graph = CUDA_BYTES_PER_GRAPH - CUDA_BYTES_PER_FUSED_GRAPH
-    assert in_place.graph_reserve_bytes - fused.graph_reserve_bytes == 8192 * 2 * 4096 * 4 + graphs * per_graph
+    assert (
+        in_place.graph_reserve_bytes - fused.graph_reserve_bytes == 8192 * 2 * 4096 * 4 + graphs * per_graph
+    )
     assert f"{graphs} graphs x 0.15 MiB" in fused.line("graph reserve").inputs
