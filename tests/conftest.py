@@ -73,6 +73,14 @@ def model_dir(tmp_path: Path):
     return write
 
 
+def default_tokenizer_source() -> str:
+    """Where the default model's tokenizer is read: KILN_TINY_LLAMA's model (build_tiny_model) holds it too, for a
+    machine without the default model (a GPU machine running the GPU tests)."""
+    from kiln.loader.default_model import default_model_path
+
+    return os.environ.get("KILN_TINY_LLAMA") or default_model_path()
+
+
 @pytest.fixture(scope="session")
 def default_model() -> str:
     from kiln.loader.default_model import default_model_path

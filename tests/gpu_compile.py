@@ -100,9 +100,15 @@ def attention_calls(arch: int):
         k_cache = torch.empty(64, 8, dim, dtype=pool_dtype)
         table = torch.zeros(4, 40, dtype=torch.int64)
         mask = torch.ones(4, 40, dtype=torch.bool)
-        for m, splits in ((mask, 8), (None, 1)):
+        ends = torch.zeros(4, dtype=torch.int32)
+        for m, splits, e in ((mask, 8, ends), (mask, 8, None), (None, 1, None)):
             yield dtype, pool_dtype, dim, triton_attention.decode_attention, (
-                q, k_cache, k_cache, table, m, 0.1, splits, triton_attention.dot_dtype(dtype, gpu=True)
+                q, k_cache, k_cache, table, m, 0.1, splits, triton_attention.dot_dtype(dtype, gpu=True), e
+            )  # fmt: skip
+        if dtype == pool_dtype:
+            rows = torch.empty(3, 8, dim, dtype=dtype)
+            yield dtype, pool_dtype, dim, triton_attention.store_kv, (
+                k_cache, k_cache, torch.zeros(3, dtype=torch.int64), rows, rows
             )  # fmt: skip
         qe = torch.empty(30, 32, dim, dtype=dtype)
         ke = torch.empty(30, 8, dim, dtype=dtype)

@@ -11,14 +11,13 @@ model."""
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import ServerProcess, assert_pool_at_baseline
+from conftest import ServerProcess, assert_pool_at_baseline, default_tokenizer_source
 from test_correctness import hf_greedy, load_hf, make_prompt, token_stream
 
 import kiln
@@ -55,11 +54,9 @@ def reference_fixture(model_path: str) -> Reference:
 def random_model(config_cls, model_cls, seed: int, **config):
     """A transformers model of random weights on the default model's tokenizer (its GGUF vocab), and that
     tokenizer. The weights are larger than transformers' defaults so that logits have clear winners."""
-    from kiln.loader.default_model import default_model_path
     from kiln.text.tokenizer import load_tokenizer
 
-    # KILN_TINY_LLAMA's model holds the same tokenizer, for a machine without the default model (conftest.py)
-    tok = load_tokenizer(os.environ.get("KILN_TINY_LLAMA") or default_model_path())
+    tok = load_tokenizer(default_tokenizer_source())
     cfg = config_cls(
         vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **config
     )

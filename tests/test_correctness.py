@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from conftest import default_tokenizer_source
 
 import kiln
 from kiln.core.forward_batch import ForwardMode
@@ -68,10 +69,9 @@ parking permits by twelve percent, starting in March.
 
 @functools.cache
 def token_stream() -> list[int]:
-    from kiln.loader.default_model import default_model_path
     from kiln.text.tokenizer import load_tokenizer
 
-    return list(load_tokenizer(default_model_path()).encode(TEXT))
+    return list(load_tokenizer(default_tokenizer_source()).encode(TEXT))
 
 
 def make_prompt(stream: list[int], length: int, offset: int) -> list[int]:

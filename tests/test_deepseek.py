@@ -247,7 +247,7 @@ def test_an_fp8_checkpoint_loads_and_matches_transformers(
     config = json.loads((path / "config.json").read_text())
     assert tensors["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
     device = "cuda" if held == "keep" and torch.cuda.is_available() else "cpu"  # natively on a GPU
-    eng = kiln.Engine(model_path=str(path), **BASE_ARGS, device=device)
+    eng = kiln.Engine(model_path=str(path), **BASE_ARGS, device=device, dtype="float32")
     try:
         runner = eng.scheduler.runner
         held_dtypes = {name: p.dtype for name, p in runner.model.named_parameters()}

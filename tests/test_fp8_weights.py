@@ -122,7 +122,7 @@ def test_a_qwen3_moe_fp8_checkpoint_matches_transformers(tmp_path: Path, monkeyp
     monkeypatch.setenv("KILN_FP8_WEIGHTS", "keep")
     model, tok = random_model(Qwen3MoeConfig, Qwen3MoeForCausalLM, 5, **TINY_MOE)
     save_fp8_model(model, tok, tmp_path, block=16, architecture="Qwen3MoeForCausalLM")
-    eng = kiln.Engine(model_path=str(tmp_path), **BASE_ARGS, device=DEVICE)
+    eng = kiln.Engine(model_path=str(tmp_path), **BASE_ARGS, device=DEVICE, dtype="float32")
     try:
         held = {name: p.dtype for name, p in eng.scheduler.runner.model.named_parameters()}
         for name in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.experts.gate_up_proj"):
@@ -364,7 +364,7 @@ def test_a_qwen3_next_fp8_checkpoint_matches_transformers(tmp_path: Path, monkey
     monkeypatch.setenv("KILN_FP8_WEIGHTS", "keep")
     model, tok = hybrid_hf_model(seed=4)
     save_fp8_model(model, tok, tmp_path, block=16, architecture="Qwen3NextForCausalLM")
-    eng = kiln.Engine(model_path=str(tmp_path), **BASE_ARGS, device=DEVICE)
+    eng = kiln.Engine(model_path=str(tmp_path), **BASE_ARGS, device=DEVICE, dtype="float32")
     try:
         held = {name: p.dtype for name, p in eng.scheduler.runner.model.named_parameters()}
         assert held["model.layers.0.linear_attn.in_proj.weight"] == torch.float32

@@ -40,12 +40,15 @@ def pool(slots: int, heads: int, dim: int, dtype=torch.float32):
     return k, v
 
 
+@pytest.mark.parametrize("ends", [False, True], ids=["chunks-of-the-width", "chunks-of-the-row"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("hq,hk,dim", [(4, 4, 16), (8, 2, 64), (6, 2, 20)])
-def test_decode_matches_torch_attention(splits, hq, hk, dim):
+def test_decode_matches_torch_attention(splits, hq, hk, dim, ends):
+    """Rows of 1 to 90 slots in a table 40 columns wider than the longest (a captured step's table is as wide as
+    its graph), cut into chunks of the table's width or, given the rows' ends, of each row's own slots."""
     k_cache, v_cache = pool(300, hk, dim)
     lens = [1, 37, 90, 5]
-    width = max(lens)
+    width = max(lens) + 40
     gen = torch.Generator().manual_seed(0)
     table = torch.zeros(len(lens), width, dtype=torch.int64)
     mask = torch.zeros(len(lens), width, dtype=torch.bool)
@@ -55,21 +58,27 @@ def test_decode_matches_torch_attention(splits, hq, hk, dim):
     table, mask = table.to(DEVICE), mask.to(DEVICE)
     q = torch.randn(len(lens), hq, dim, device=DEVICE)
     scale = dim**-0.5
-    got = triton_attention.decode_attention(q, k_cache, v_cache, table, mask, scale, splits)
+    row_ends = triton_attention.row_ends(mask) if ends else None
+    if ends:
+        assert row_ends.tolist() == lens
+    got = triton_attention.decode_attention(q, k_cache, v_cache, table, mask, scale, splits, ends=row_ends)
     torch.testing.assert_close(
         got, reference_decode(q, k_cache, v_cache, table, mask, scale), rtol=1e-5, atol=1e-5
     )
 
 
 def test_decode_mask_holes_and_no_mask():
-    """A mask that is not a prefix (a verify row's table skips a sibling's slots) and a table without a mask."""
+    """A mask that is not a prefix (a verify row's table skips a sibling's slots; another row's last columns
+    unused), with and without the rows' ends, and a table without a mask."""
     k_cache, v_cache = pool(64, 2, 16)
     table = torch.arange(1, 41, device=DEVICE).view(2, 20)
     mask = torch.ones(2, 20, dtype=torch.bool, device=DEVICE)
     mask[0, 5:9] = False
+    mask[1, 13:] = False
     q = torch.randn(2, 4, 16, device=DEVICE)
-    for m in (mask, None):
-        got = triton_attention.decode_attention(q, k_cache, v_cache, table, m, 0.25, 2)
+    assert triton_attention.row_ends(mask).tolist() == [20, 13]
+    for m, ends in ((mask, None), (mask, triton_attention.row_ends(mask)), (None, None)):
+        got = triton_attention.decode_attention(q, k_cache, v_cache, table, m, 0.25, 2, ends=ends)
         torch.testing.assert_close(
             got, reference_decode(q, k_cache, v_cache, table, m, 0.25), rtol=1e-5, atol=1e-5
         )

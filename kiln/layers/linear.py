@@ -153,13 +153,14 @@ class RowParallelLinear(_PrepackableLinear):
         return y + self.bias if self.bias is not None else y
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + forward(x). Where the step's elementwise work is fused (kiln.layers.fused: half precision
-        on CUDA), one rank's plain weight adds the residual in the GEMM's epilogue (cuBLAS's beta = 1): a kernel
-        less a layer, rounded once. With several ranks the residual must wait for the all-reduce."""
+        """residual + forward(x), `residual` consumed. Where the step's elementwise work is fused
+        (kiln.layers.fused: half precision on CUDA), one rank's plain weight adds into the residual in place in
+        the GEMM's epilogue (cuBLAS's beta = 1; out of place, cuBLAS first copies it): a kernel less a layer,
+        rounded once. With several ranks the residual must wait for the all-reduce."""
         w = self.weight
         if (
             fused.kernels(x) is not None and x.is_cuda and x.dim() == 2 and tp_size() == 1 and self.bias is None
             and self.fp8_block is None and not self.packed and w.dtype == x.dtype == residual.dtype
         ):  # fmt: skip
-            return torch.addmm(residual, x, w.t())
+            return residual.addmm_(x, w.t())
         return residual + self.forward(x)

@@ -31,6 +31,7 @@ __all__ = [
     "ExtendPlan",
     "dot_dtype",
     "extend_plan",
+    "row_ends",
     "store_kv",
 ]
 
@@ -65,20 +66,23 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, K, V, Table, Mask, MidO, MidLse, scale,
+        Q, K, V, Table, Mask, Ends, MidO, MidLse, scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_mb,
         width, num_heads,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr,
+        DOT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         # a KV head's query heads in tiles of BLOCK_H: one tile for a group up to 16 (the usual), more beyond
         tiles = tl.cdiv(GROUP, BLOCK_H)
         kvh, tile = tl.program_id(1) // tiles, tl.program_id(1) % tiles
         s = tl.program_id(2)
-        per_split = tl.cdiv(width, SPLITS)
+        # the row's columns in use, not the table's width: a captured step's table is as wide as its graph
+        row_end = tl.load(Ends + b).to(tl.int32) if HAS_ENDS else width
+        per_split = tl.cdiv(row_end, SPLITS)
         start = s * per_split
-        end = tl.minimum(start + per_split, width)
+        end = tl.minimum(start + per_split, row_end)
         # the GROUP query heads that share KV head kvh, as rows of one tile (padded to BLOCK_H, at least a dot's
         # 16): each K and V row is read once for all of them, not once per query head
         g = tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -227,6 +231,13 @@ def decode_splits(width: int, max_splits: int, per_split: int) -> int:
     return max(1, min(max_splits, -(-width // per_split)))
 
 
+def row_ends(mask: torch.Tensor) -> torch.Tensor:
+    """[B] int32: one past each row's last valid column of a [B, L] mask, where its KV chunks end (a decode step
+    computes it once for every layer)."""
+    columns = torch.arange(1, mask.shape[1] + 1, dtype=torch.int32, device=mask.device)
+    return torch.where(mask != 0, columns, 0).amax(1).to(torch.int32)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -236,9 +247,11 @@ def decode_attention(
     scale: float,
     splits: int,
     dot: torch.dtype | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] over each row's KV slots `table` [B, L] (valid where `mask` [B, L], all when None) in the pool
-    k_cache / v_cache [S, Hk, D] -> [B, Hq, D] in q's dtype. `dot` overrides dot_dtype's choice."""
+    k_cache / v_cache [S, Hk, D] -> [B, Hq, D] in q's dtype. `dot` overrides dot_dtype's choice. `ends` (row_ends
+    of the mask) bounds each row's chunks by its columns in use rather than by L."""
     b, hq, dim = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -250,11 +263,11 @@ def decode_attention(
     mask_arg = mask if has_mask else table
     block_h = min(MAX_BLOCK_H, _pow2(group))
     _decode_split_kernel[(b, hk * triton.cdiv(group, block_h), splits)](
-        q, k_cache, v_cache, table, mask_arg, mid_o, mid_lse, scale,
+        q, k_cache, v_cache, table, mask_arg, ends if ends is not None else table, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         table.stride(0), mask_arg.stride(0), table.shape[1], hq,
         GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_D=block_d, BLOCK_N=32, SPLITS=splits, HAS_MASK=has_mask,
-        DOT=tl_dtype(dot or dot_dtype(q.dtype, q.is_cuda)),
+        HAS_ENDS=ends is not None, DOT=tl_dtype(dot or dot_dtype(q.dtype, q.is_cuda)),
     )  # fmt: skip
     _decode_merge_kernel[(b, hq)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1),

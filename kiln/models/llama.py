@@ -78,7 +78,8 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + forward(x), the add in down_proj's GEMM where it can be (RowParallelLinear.forward_add)."""
+        """residual + forward(x), `residual` consumed: the add in down_proj's GEMM where it can be
+        (RowParallelLinear.forward_add)."""
         return self.down_proj.forward_add(silu_and_mul(self.gate_up_proj(x)), residual)
 
 

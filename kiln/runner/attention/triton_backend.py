@@ -29,6 +29,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError("--attention-backend triton needs Triton: `pip install triton`")
         triton_attention.check_runnable("--attention-backend triton")
         super().__init__(kv_pool, q_heads)
+        self._ends: tuple[torch.Tensor, int, torch.Tensor] | None = (
+            None  # (a step's mask, its version, row_ends)
+        )
 
     def prepare_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
         if fb.mode == ForwardMode.DECODE:
@@ -67,7 +70,20 @@ class TritonBackend(AttentionBackend):
         b, width = fb.kv_table.shape
         mask = fb.kv_mask.reshape(b, width) if fb.kv_mask is not None else None
         k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
-        return triton_attention.decode_attention(q, k, v, fb.kv_table, mask, scale, meta.kv_splits)
+        return triton_attention.decode_attention(
+            q, k, v, fb.kv_table, mask, scale, meta.kv_splits, ends=self._row_ends(fb.kv_mask, mask)
+        )
+
+    def _row_ends(self, step_mask: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's row ends, computed by its first layer and read by the rest (a captured step records the
+        computation once too: the step's mask is the same tensor for every layer). A mask written in place since
+        (a draft's next step) has another version: its ends are computed anew."""
+        if mask is None:
+            return None
+        seen = self._ends
+        if seen is None or seen[0] is not step_mask or seen[1] != step_mask._version:
+            self._ends = seen = (step_mask, step_mask._version, triton_attention.row_ends(mask))
+        return seen[2]
 
     def extend(
         self,
