@@ -197,7 +197,29 @@ def test_store_kv_writes_k_and_v_as_indexing_does(dtype):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     before = k_cache.clone()
     assert not triton_attention.store_kv(k_cache, v_cache, slots, k.double(), v)
+    assert not triton_attention.store_kv(
+        k_cache, v_cache, slots, k, qk[:, : hk + 1]
+    )  # V of another head count
+    assert not triton_attention.store_kv(k_cache, v_cache, slots[:4], k, v)  # fewer slots than rows
     assert torch.equal(k_cache, before)
+
+
+def test_a_steps_row_ends_are_computed_once_and_anew_for_an_edited_mask():
+    """The backend computes the row ends at a step's first layer and hands the same tensor to the rest; a mask
+    written in place since (a later step reusing it) gets its ends computed anew, another mask its own."""
+    from kiln.memory.kv_pool import KVPool
+    from kiln.runner.attention.triton_backend import TritonBackend
+
+    backend = TritonBackend(KVPool(16, 1, 1, 1, 8, torch.float32, DEVICE), 1)
+    mask = torch.zeros(2, 1, 1, 6, dtype=torch.bool, device=DEVICE)
+    mask[0, ..., :3], mask[1, ..., :5] = True, True
+    first = backend._row_ends(mask, mask.view(2, 6))
+    assert first.tolist() == [3, 5] and backend._row_ends(mask, mask.view(2, 6)) is first
+    mask[0, ..., 3] = True
+    assert backend._row_ends(mask, mask.view(2, 6)).tolist() == [4, 5]
+    other = mask.clone()
+    other[1, ..., 4] = False
+    assert backend._row_ends(other, other.view(2, 6)).tolist() == [4, 4]
 
 
 def test_a_model_served_with_the_triton_backend_gives_transformers_tokens(tiny_llama):

@@ -33,7 +33,7 @@ fi
 if [ "$part" = 2 ]; then
   step "CUDA tests"
   timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graphs.py tests/test_allocator.py \
-    tests/test_overlap.py -rA > $OUT/cuda_tests.log 2>&1
+    tests/test_overlap.py tests/test_cuda_spec_hicache.py -rA > $OUT/cuda_tests.log 2>&1
   tail -c 2000 $OUT/cuda_tests.log
   step "random SmolLM2-shape model"
   timeout 40 python3 benchmarks/cuda/make_random_smollm.py /tmp/smol .devcarry/tiny-llama 2>&1 | tail -2
@@ -77,7 +77,7 @@ print(json.dumps({k: d[k] for k in ('capture', 'decode_bs1', 'decode_bs64', 'pre
 print({k: v for k, v in p.items() if k != 'top'}); [print(r) for r in p['top']]" || tail -20 $OUT/bench_8b_profiled.log
   step "GPU tests: CUDA graphs and overlap; Triton kernels, the device sampler, FP8 weights kept"
   timeout 60 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graphs.py tests/test_allocator.py \
-    tests/test_overlap.py -rfE > $OUT/cuda_tests.log 2>&1
+    tests/test_overlap.py tests/test_cuda_spec_hicache.py -rfE > $OUT/cuda_tests.log 2>&1
   tail -c 800 $OUT/cuda_tests.log
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_fused.py \
     tests/test_device_sampler.py tests/test_fp8_weights.py \

@@ -214,7 +214,12 @@ def store_kv(
     False, with nothing written, where a row of k or v is not one contiguous run of the pool's dtype: the caller
     then stores them itself."""
     rows = (k, v, k_cache, v_cache)
-    if any(x.dtype != k_cache.dtype or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] for x in rows):
+    if (
+        any(x.dtype != k_cache.dtype or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] for x in rows)
+        or any(x.shape[1:] != k_cache.shape[1:] for x in rows)
+        or slots.dim() != 1 or slots.stride(0) != 1 or slots.device != k_cache.device
+        or not k.shape[0] == v.shape[0] == slots.shape[0]
+    ):  # fmt: skip
         return False
     n = k.shape[1] * k.shape[2]
     if slots.shape[0]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import kiln.platform as platform
 from kiln.core import envs
 from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
+from kiln.memory.model_shapes import is_mla, text_config
 
 if TYPE_CHECKING:
     from kiln.config import ServerArgs
@@ -108,7 +109,8 @@ class LedgerInputs:
             disable_cuda_graph=args.disable_cuda_graph
             or platform.attention_interpreted(device, args.attention_backend),
             disable_prefill_graph=args.disable_prefill_graph,
-            attention_gathers=args.attention_backend != "triton",
+            # an MLA model's latent attention gathers its rows whatever --attention-backend says
+            attention_gathers=args.attention_backend != "triton" or is_mla(text_config(hf_config)),
             fused_step_kernels=platform.fused_step_kernels(device, dtype),
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_size_gb=args.hicache_size,

@@ -75,15 +75,18 @@ class TritonBackend(AttentionBackend):
         )
 
     def _row_ends(self, step_mask: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The step's row ends, computed by its first layer and read by the rest (a captured step records the
-        computation once too: the step's mask is the same tensor for every layer). A mask written in place since
-        (a draft's next step) has another version: its ends are computed anew."""
+        """The step's row ends, computed by its first layer and read by the rest: the step's mask is the same
+        tensor for every layer. Computed anew for another mask, for this one written in place since (another
+        version; an inference tensor keeps none), and for a graph capture, which must record the computation to
+        replay it."""
         if mask is None:
             return None
-        seen = self._ends
-        if seen is None or seen[0] is not step_mask or seen[1] != step_mask._version:
-            self._ends = seen = (step_mask, step_mask._version, triton_attention.row_ends(mask))
-        return seen[2]
+        version = None if step_mask.is_inference() else step_mask._version
+        capturing = step_mask.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (version, capturing)
+        if self._ends is None or self._ends[0] is not step_mask or self._ends[1] != key:
+            self._ends = (step_mask, key, triton_attention.row_ends(mask))
+        return self._ends[2]
 
     def extend(
         self,
