@@ -1,5 +1,5 @@
 """Speculative decoding's draft graphs and the hierarchical cache's host tier on CUDA. These run only on a GPU
-(benchmarks/cuda/cuda_checks.sh, parts 2 and 5) and are skipped elsewhere; they mirror CPU tests of
+(benchmarks/cuda/cuda_checks.sh, part 6) and are skipped elsewhere; they mirror CPU tests of
 test_draft_graphs.py and test_hicache.py on the tiny Llama (KILN_TINY_LLAMA), float32, CUDA graphs on:
 
 - EAGLE with a random head: the target's verify shape and the head's decode steps and catch-ups are captured (and

@@ -9,6 +9,8 @@
 #   bash benchmarks/cuda/cuda_checks.sh 4   # the tests alone of parts 2 and 3, for a few minutes left after part 1
 #   bash benchmarks/cuda/cuda_checks.sh 5   # one short call: the 8B-class model with a profile of its batch-1
 #                                           # decode steps, then every GPU test
+#   bash benchmarks/cuda/cuda_checks.sh 6   # what has never run on a GPU: speculative decoding's draft graphs and
+#                                           # the host tier on CUDA, a head's catch-ups, DeepSeek-V3 kept in FP8
 # Every log lands in $OUT as it is written, so a part stopped at its limit still returns what it did.
 part=${1:-1}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -33,7 +35,7 @@ fi
 if [ "$part" = 2 ]; then
   step "CUDA tests"
   timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graphs.py tests/test_allocator.py \
-    tests/test_overlap.py tests/test_cuda_spec_hicache.py -rA > $OUT/cuda_tests.log 2>&1
+    tests/test_overlap.py -rA > $OUT/cuda_tests.log 2>&1
   tail -c 2000 $OUT/cuda_tests.log
   step "random SmolLM2-shape model"
   timeout 40 python3 benchmarks/cuda/make_random_smollm.py /tmp/smol .devcarry/tiny-llama 2>&1 | tail -2
@@ -77,11 +79,26 @@ print(json.dumps({k: d[k] for k in ('capture', 'decode_bs1', 'decode_bs64', 'pre
 print({k: v for k, v in p.items() if k != 'top'}); [print(r) for r in p['top']]" || tail -20 $OUT/bench_8b_profiled.log
   step "GPU tests: CUDA graphs and overlap; Triton kernels, the device sampler, FP8 weights kept"
   timeout 60 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graphs.py tests/test_allocator.py \
-    tests/test_overlap.py tests/test_cuda_spec_hicache.py -rfE > $OUT/cuda_tests.log 2>&1
+    tests/test_overlap.py -rfE > $OUT/cuda_tests.log 2>&1
   tail -c 800 $OUT/cuda_tests.log
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_fused.py \
     tests/test_device_sampler.py tests/test_fp8_weights.py \
     "tests/test_deepseek.py::test_an_fp8_checkpoint_loads_and_matches_transformers" -rfE > $OUT/gpu_tests.log 2>&1
   tail -c 2500 $OUT/gpu_tests.log
+fi
+if [ "$part" = 6 ]; then
+  step "draft CUDA graphs (EAGLE, STANDALONE) and the host tier on CUDA against the target alone"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_spec_hicache.py -rA \
+    > $OUT/cuda_spec_hicache.log 2>&1
+  tail -c 2500 $OUT/cuda_spec_hicache.log
+  step "a draft head's catch-ups: CUDA graphs against eager extends and eager decode rows"
+  timeout 40 python3 benchmarks/cuda/make_random_smollm.py /tmp/smol .devcarry/tiny-llama 2>&1 | tail -1
+  timeout 90 python3 benchmarks/bench_catch_up.py --device cuda --model-path /tmp/smol --bs 1 8 32 \
+    --json $OUT/bench_catch_up.json > $OUT/bench_catch_up.log 2>&1
+  grep -v "Capturing" $OUT/bench_catch_up.log | tail -8
+  step "DeepSeek-V3 FP8 checkpoints, dequantized and kept in FP8, against transformers"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    "tests/test_deepseek.py::test_an_fp8_checkpoint_loads_and_matches_transformers" -rfE > $OUT/deepseek_fp8.log 2>&1
+  tail -c 1500 $OUT/deepseek_fp8.log
 fi
 step "done"
