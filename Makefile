@@ -19,7 +19,7 @@ serve: install
 	$(VENV)/bin/kiln serve
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -n 2 --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check kiln tests benchmarks
