@@ -50,9 +50,8 @@ class LedgerInputs:
     fp8_weights_kept: bool = False  # an FP8 checkpoint's weights held in FP8 (kiln.platform.fp8_weights_kept)
     # decode graphs gather one layer's K and V to the graphs' width (torch SDPA); the Triton backend reads the pool
     attention_gathers: bool = True
-    fused_step_kernels: bool = (
-        False  # kiln.platform.fused_step_kernels: no float32 copies in a norm's activations
-    )
+    # kiln.platform.fused_step_kernels: no float32 copies in a norm's activations, fewer kernels a graph
+    fused_step_kernels: bool = False
     # speculative decoding's graph shapes (kiln.speculative.settings.with_speculation fills them from the resolved
     # settings): verify rows per request (num_draft_tokens), and the draft's decode rows per request (its topk;
     # 0 without a draft model of its own)

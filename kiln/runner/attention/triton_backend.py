@@ -29,9 +29,8 @@ class TritonBackend(AttentionBackend):
             raise ValueError("--attention-backend triton needs Triton: `pip install triton`")
         triton_attention.check_runnable("--attention-backend triton")
         super().__init__(kv_pool, q_heads)
-        self._ends: tuple[torch.Tensor, int, torch.Tensor] | None = (
-            None  # (a step's mask, its version, row_ends)
-        )
+        # (a step's mask, its (version, capturing) key, its row_ends): see _row_ends
+        self._ends: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
 
     def prepare_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
         if fb.mode == ForwardMode.DECODE:
