@@ -9,7 +9,8 @@
    directory; the time to first token of the same prompt served from the file storage tier against the cold one.
 
     python benchmarks/bench_hicache.py [--conversations 6] [--turns 6] [--pool-tokens 1024]
-                                       [--prefix-tokens 2000] [--threads N] [--json out.json]
+                                       [--prefix-tokens 2000] [--threads N] [--device cpu|cuda]
+                                       [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ def user_message(conversation: int, turn: int) -> str:
     return f"\nUser: please look at {words}\nAssistant: noted, {words[:60]}"
 
 
-def engine(model: str, pool_tokens: int, **tier):
+def engine(model: str, pool_tokens: int, device: str = "cpu", **tier):
     import kiln
 
-    return kiln.Engine(model_path=model, device="cpu", max_total_tokens=pool_tokens, **tier)
+    return kiln.Engine(model_path=model, device=device, max_total_tokens=pool_tokens, **tier)
 
 
 def ttft(eng, prompt: str) -> float:
@@ -44,7 +45,7 @@ def ttft(eng, prompt: str) -> float:
 
 def chat_ttfts(model: str, args: argparse.Namespace, **tier) -> list[float]:
     """TTFT of every turn after the first round."""
-    eng = engine(model, args.pool_tokens, **tier)
+    eng = engine(model, args.pool_tokens, args.device, **tier)
     try:
         histories = ["System: a long chat." for _ in range(args.conversations)]
         times = []
@@ -66,12 +67,12 @@ def restart_ttfts(model: str, args: argparse.Namespace) -> tuple[float, float, i
         tier = dict(
             enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=storage
         )
-        eng = engine(model, args.prefix_tokens * 2, **tier)
+        eng = engine(model, args.prefix_tokens * 2, args.device, **tier)
         tokens = len(eng.tokenizer.encode(prompt))
         cold = ttft(eng, prompt)
         eng.scheduler.kv.cache.storage.drain()
         eng.shutdown()
-        eng = engine(model, args.prefix_tokens * 2, **tier)
+        eng = engine(model, args.prefix_tokens * 2, args.device, **tier)
         try:
             warm = ttft(eng, prompt)
             assert eng.scheduler.kv.cache.storage.hit_tokens > 0, "the restart did not hit the storage tier"
@@ -88,6 +89,7 @@ def main() -> None:
     p.add_argument("--pool-tokens", type=int, default=1024)
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the host tier's copies on a copy stream")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.threads:
@@ -99,6 +101,7 @@ def main() -> None:
     tiered = chat_ttfts(model, args, enable_hierarchical_cache=True, hicache_ratio=8.0)
     cold, warm, tokens = restart_ttfts(model, args)
     result = {
+        "device": args.device,
         "chat_mean_ttft_s": {"device_only": statistics.mean(plain), "host_tier": statistics.mean(tiered)},
         "chat_ratio": statistics.mean(tiered) / statistics.mean(plain),
         "restart": {

@@ -4,12 +4,15 @@ one call per prompt, with a cached-prefix request mixed in between."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
 from kiln.core.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
 from kiln.memory.kv_pool import KVPool
 from kiln.runner.attention import TorchSdpaBackend, torch_sdpa
+from kiln.runner.graph_backends import CUDA_SHARED_GATHER_LIMIT, CompiledDecode, CudaGraphDecode
+from kiln.runner.graph_runner import shared_kv_runs_eagerly
 
 HQ, HK, D = 6, 2, 16
 
@@ -123,6 +126,30 @@ def test_decode_over_a_shared_prefix_reads_it_once_and_matches_the_gather():
     assert mask.shape == (1, 1, 5 * (HQ // HK), slots.numel())
     assert fb.attn.mostly_shared  # a captured step that gathers each request's rows would lose to this
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mostly_shared_batch_replays_on_cuda_until_the_rows_it_gathers_again_pass_the_limit():
+    """The CPU's compiled steps leave every mostly shared batch to the eager distinct-slot call; a CUDA graph
+    replays it (a draft's catch-up rows share their request's context) until its repeated gather is dear."""
+    prefix = list(range(10, 90))
+    tails = [list(range(200 + 10 * i, 200 + 10 * i + n)) for i, n in enumerate([1, 4, 9, 2, 7])]
+    fb, _, _ = _decode_both_ways([prefix + t for t in tails])
+    assert fb.attn.repeated_entries == 5 * 80 + 23 - (80 + 23 + 1)  # entries less the distinct slots
+    token = 2 * 32 * 8 * 128 * 2  # an 8B-class model's KV a token (128 KiB): 319 tokens again = 40 MiB
+    compiled, cuda = (
+        SimpleNamespace(reads_shared_prefix_once=False, shared_gather_limit=backend.shared_gather_limit)
+        for backend in (CompiledDecode, CudaGraphDecode)
+    )
+    assert shared_kv_runs_eagerly(fb, compiled, token)
+    assert not shared_kv_runs_eagerly(fb, cuda, token)
+    dear = replace(fb, attn=replace(fb.attn, repeated_entries=CUDA_SHARED_GATHER_LIMIT // token + 1))
+    assert shared_kv_runs_eagerly(dear, cuda, token)
+    reads_once = SimpleNamespace(
+        reads_shared_prefix_once=True, shared_gather_limit=0
+    )  # the CPU kernel's steps
+    assert not shared_kv_runs_eagerly(dear, reads_once, token)
+    unshared = replace(dear, attn=replace(dear.attn, mostly_shared=False))
+    assert not shared_kv_runs_eagerly(unshared, compiled, token)
 
 
 def test_decode_without_sharing_keeps_the_gather():

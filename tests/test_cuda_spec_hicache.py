@@ -8,11 +8,14 @@ test_draft_graphs.py and test_hicache.py on the tiny Llama (KILN_TINY_LLAMA), fl
 - STANDALONE, the target drafting for itself: the draft's decode steps and catch-up extends (prefill pieces) are
   captured and replayed, nearly every draft is accepted, and greedy output equals the target's alone;
 - the host tier: a prefix evicted from a small device pool to pinned host memory is loaded back (the tier's
-  counters record it), and greedy output is the same with the tier on and off."""
+  counters record it), and greedy output is the same with the tier on and off;
+- the host tier's copies on their own stream: a store or a load issued behind a long kernel returns at once, in
+  chunks through the device ring, and the rows arrive, in order with the compute stream's own writes."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from test_draft_models import PROMPTS, save_head
 from test_hicache import GREEDY, _prompt
 
 import kiln
+from kiln.memory.tier_copies import TierCopies
 
 DEVICE = "cuda"
 BS = (1, 2, 4)  # on CUDA verify and catch-up shapes stay within 4 rows: 1 request x (STEPS + 1) = 3
@@ -127,3 +131,44 @@ def test_an_evicted_prefix_comes_back_from_pinned_host_memory(tiny_llama) -> Non
     assert host["pinned"] and host["on_device"], host
     assert host["hit_tokens"] >= 100 and host["metric_hit_tokens"] == host["hit_tokens"], host
     assert host["bytes_loaded"] > 0, host
+
+
+def _busy_gpu() -> None:
+    """Keep the compute stream busy for about a second: a copy the host waited for would take that long."""
+    torch.cuda._sleep(int(2e9))
+
+
+def test_tier_copies_run_beside_the_compute_stream() -> None:
+    torch.manual_seed(0)
+    tokens, n = 4096, 2048
+    device = [torch.randn(tokens, 8, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
+    host = [torch.zeros(tokens, 8, 128, dtype=torch.bfloat16, pin_memory=True) for _ in range(4)]
+    copies = TierCopies(device, host, chunk_bytes=256 * 1024)  # 32 tokens a chunk: the ring turns 64 times
+    want = [t.cpu() for t in device]
+    src, dst = torch.randperm(tokens)[:n], torch.randperm(tokens)[:n]
+    src_on_device, back = (
+        src.to(DEVICE),
+        torch.randperm(tokens)[:n].to(DEVICE),
+    )  # no host copy behind the sleep
+    torch.cuda.synchronize()
+
+    _busy_gpu()
+    t0 = time.perf_counter()
+    copies.store(src_on_device, dst)
+    issued = time.perf_counter() - t0
+    copies.fence()  # as the cache does before it frees the slots
+    for t in device:  # the slots reused at once by the compute stream: after the store's gathers
+        t[src_on_device] = 0
+    assert copies.in_flight_tokens == n and issued < 0.5, (copies.in_flight_tokens, issued)
+    copies.drain()
+    for h, w in zip(host, want, strict=True):
+        assert torch.equal(h[dst], w[src])
+
+    _busy_gpu()
+    t0 = time.perf_counter()
+    copies.load(dst, back)
+    issued = time.perf_counter() - t0
+    rows = [t[back] for t in device]  # on the compute stream: after the load's scatter
+    assert issued < 0.5, issued
+    for r, w in zip(rows, want, strict=True):
+        assert torch.equal(r.cpu(), w[src])

@@ -243,7 +243,7 @@ def test_an_fp8_checkpoint_loads_and_matches_transformers(
     monkeypatch.setenv("KILN_FP8_WEIGHTS", held)
     model, tok = deepseek_hf_model(seed=2)
     path = tmp_path / "fp8"
-    tensors = save_fp8_model(model, tok, path, block=16, architecture="DeepseekV3ForCausalLM")
+    tensors = save_fp8_model(model, tok, path, block=32, architecture="DeepseekV3ForCausalLM")
     config = json.loads((path / "config.json").read_text())
     assert tensors["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
     device = "cuda" if held == "keep" and torch.cuda.is_available() else "cpu"  # natively on a GPU
@@ -275,7 +275,8 @@ def test_an_fp8_checkpoint_loads_and_matches_transformers(
         got, out = spy_logits(eng, prompt)
         torch.testing.assert_close(got, reference_logits(model, prompt, out), rtol=0, atol=1e-4)
         eng.scheduler.flush_cache()
-        prompts = ref.prompts[:6]
+        # Triton's interpreter on the CPU is slow: two prompts there, batched; six elsewhere
+        prompts = ref.prompts[: 2 if held == "keep" and device == "cpu" else 6]
         assert ids_of(generate(eng, prompts)) == [reference_greedy(model, p) for p in prompts]
     finally:
         eng.shutdown()

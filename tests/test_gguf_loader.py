@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -13,8 +14,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from kiln.loader import default_model as default_model_mod
+from kiln.loader import gguf_tokenizer
 from kiln.loader.default_model import default_model_path
-from kiln.loader.gguf_loader import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+from kiln.loader.gguf_loader import iter_gguf_tensors, read_gguf_config
+from kiln.loader.gguf_tokenizer import load_gguf_tokenizer
 
 # ---------------------------------------------------------------- the default model vs transformers
 
@@ -139,6 +142,42 @@ def test_tokenizer_ignores_files_next_to_the_gguf(model_path: str, tmp_path: Pat
     tok = load_gguf_tokenizer(str(link))
     assert tok.chat_template.startswith("{% for message in messages %}")
     assert tok.eos_token == "<|im_end|>"
+
+
+def _same_tokenizer(a, b) -> None:
+    for text in ("Hello world", "  Äpfel 123 <|im_start|>x\n\n", "déjà vu 🙂 — tabs\there"):
+        assert a.encode(text) == b.encode(text)
+    assert (a.bos_token_id, a.eos_token_id, a.eos_token, a.chat_template) == (
+        b.bos_token_id, b.eos_token_id, b.eos_token, b.chat_template,
+    )  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    assert a.apply_chat_template(messages, add_generation_prompt=True) == b.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
+
+
+def test_the_converted_tokenizer_is_kept_and_later_loads_read_it(
+    model_path: str, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    monkeypatch.setattr(gguf_tokenizer, "tokenizer_cache_dir", lambda: tmp_path / "cache")
+    converted = load_gguf_tokenizer(model_path)
+    (kept,) = (tmp_path / "cache").iterdir()
+    assert (kept / "tokenizer.json").is_file()
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted the GGUF again")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_tokenizer.tempfile, "TemporaryDirectory", no_conversion)
+        read_back = load_gguf_tokenizer(model_path)
+    _same_tokenizer(read_back, converted)
+    assert read_back.name_or_path == os.path.abspath(model_path)
+    (kept / "tokenizer.json").write_text("{ not json")  # a damaged copy: converted again, and kept anew
+    with caplog.at_level("WARNING", logger="kiln"):
+        again = load_gguf_tokenizer(model_path)
+    assert "could not be read" in caplog.text
+    _same_tokenizer(again, converted)
+    assert json.loads((kept / "tokenizer.json").read_text())
 
 
 # ---------------------------------------------------------------- tiny GGUFs written here

@@ -280,7 +280,7 @@ def test_a_batch_the_graph_cannot_run_falls_back_to_eager(engines):
         raise RuntimeError("Detected recompile")
 
     broken_backend = {"replay": staticmethod(broken), "name": "broken", "reads_shared_prefix_once": False,
-                      "feature_width": None, "logits_rows": LogitsRows()}  # fmt: skip
+                      "shared_gather_limit": 0, "feature_width": None, "logits_rows": LogitsRows()}  # fmt: skip
     phase.backend = type("Broken", (), broken_backend)()
     try:
         run = drive(graphs, [(0, [11, 12, 13], 5)])

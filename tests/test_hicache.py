@@ -111,6 +111,32 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_its_kv(policy: str) -> 
     h.check_accounting()
 
 
+def test_a_prefix_whose_copy_to_the_host_is_still_in_flight_comes_back_with_its_kv() -> None:
+    h = Harness("write_back", device_tokens=16)
+    copies: list[SlowCopy] = []
+    h.host.copies._done_on_cpu = lambda: copies.append(SlowCopy()) or copies[-1]
+    key = list(range(100, 112))
+    h.compute(key)
+    h.compute(list(range(40, 52)))  # evicts `key` to the host: its copy is in flight
+    assert h.cache.host_integrity()["in_flight"] == 12 and not copies[0].done
+    match = h.cache.match_prefix(key)  # loads it back: the copy lands first
+    assert match.indices.numel() == 12 and copies[0].done
+    h.check_rows(key, match.indices)
+    h.check_accounting()
+
+
+def test_eviction_fences_the_copies_before_its_slots_are_reused() -> None:
+    """On CUDA a store's gathers run on the copy stream: the slots an eviction frees must not be written by the
+    next step before they are read (a no-op on the CPU, where the gather is done when issued)."""
+    h = Harness("write_back", device_tokens=16)
+    fences: list[int] = []
+    h.host.copies.fence = lambda: fences.append(h.host.copies.in_flight_tokens)
+    h.compute(list(range(100, 112)))
+    assert fences == []
+    h.compute(list(range(40, 52)))  # evicts the first prompt: its store issued, then the fence
+    assert fences == [12]
+
+
 def test_without_a_host_copy_selective_eviction_drops_the_prefix() -> None:
     h = Harness("write_through_selective")
     key = list(range(16))
@@ -145,25 +171,51 @@ def test_a_locked_prefix_never_leaves_the_device() -> None:
     h.check_accounting()
 
 
+class SlowCopy:
+    """A host-tier store still being copied, as on a GPU: done when the program says so or the host waits."""
+
+    done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     policy=st.sampled_from(WRITE_POLICIES),
     page=st.sampled_from([1, 2]),
     storage=st.booleans(),
+    slow_copies=st.booleans(),
     program=st.lists(
-        st.tuples(st.sampled_from(["compute", "evict", "flush_host"]), st.integers(0, 5), st.integers(1, 12)),
+        st.tuples(
+            st.sampled_from(["compute", "evict", "flush_host", "copies_done"]),
+            st.integers(0, 5),
+            st.integers(1, 12),
+        ),
         min_size=1,
         max_size=25,
     ),
 )
-def test_random_programs_keep_kv_and_accounting(policy: str, page: int, storage: bool, program) -> None:
+def test_random_programs_keep_kv_and_accounting(
+    policy: str, page: int, storage: bool, slow_copies: bool, program
+) -> None:
     """Prompts share prefixes (a few stems, various lengths), so splits, partial hits on any tier, host
-    eviction and dropping host subtrees on insert all happen."""
+    eviction and dropping host subtrees on insert all happen. slow_copies: the host tier's stores stay in flight
+    until the program lets them finish, with little staging, so loads of rows still in flight, stores
+    landing over freed and reused host slots, and staging waits happen too."""
     with tempfile.TemporaryDirectory() as tmp:
-        _run_program(Harness(policy, page=page, storage_dir=Path(tmp) if storage else None), program)
+        h = Harness(policy, page=page, storage_dir=Path(tmp) if storage else None)
+        copies: list[SlowCopy] = []
+        if slow_copies:
+            h.host.copies.host_staging_bytes = 24 * h.host.row_bytes()
+            h.host.copies._done_on_cpu = lambda: copies.append(SlowCopy()) or copies[-1]
+        _run_program(h, program, copies)
 
 
-def _run_program(h: Harness, program) -> None:
+def _run_program(h: Harness, program, copies: list[SlowCopy]) -> None:
     stems = [[7, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [7, 7, 8, 9, 30, 31, 32, 33, 34, 35, 36, 37]]
     for op, which, length in program:
         if op == "compute":
@@ -171,8 +223,11 @@ def _run_program(h: Harness, program) -> None:
             h.compute(stem[:length] + [200 + which] * (which % 3))
         elif op == "evict":
             h.cache.evict(length)
-        else:
+        elif op == "flush_host":
             h.cache._evict_host(length)
+        else:  # the copies issued so far, but the last `which`, are done
+            for copy in copies[: max(len(copies) - which, 0)]:
+                copy.done = True
         h.check_accounting()
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kiln.core.units import GIB
+from kiln.core.units import GIB, MIB
 from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal
@@ -250,6 +250,15 @@ def test_hicache_ratio_scales_the_device_pool():
                  host_memory_bytes=4096 * GIB)  # fmt: skip
     assert got.fits
     assert got.line("host tier per rank").bytes == int(1.5 * got.line("kv pool").bytes)
+
+
+def test_the_host_tier_s_device_staging_is_a_runtime_line_on_cuda_only():
+    tiers = dict(enable_hierarchical_cache=True, host_memory_bytes=4096 * GIB)
+    for device, staging in (("cuda", 64 * MIB), ("cpu", 0)):
+        plain, tiered = ledger(LLAMA_31_8B, device=device), ledger(LLAMA_31_8B, device=device, **tiers)
+        runtime = tiered.line("runtime overhead")
+        assert runtime.bytes - plain.line("runtime overhead").bytes == staging
+        assert ("host tier staging 64.0 MiB" in runtime.inputs) == bool(staging), runtime.inputs
 
 
 def test_draft_model_adds_weights_and_kv():

@@ -11,6 +11,8 @@
 #                                           # decode steps, then every GPU test
 #   bash benchmarks/cuda/cuda_checks.sh 6   # what has never run on a GPU: speculative decoding's draft graphs and
 #                                           # the host tier on CUDA, a head's catch-ups, DeepSeek-V3 kept in FP8
+#   bash benchmarks/cuda/cuda_checks.sh 7   # the host tier's copies beside the compute stream, and the
+#                                           # hierarchical cache benchmark on CUDA
 # Every log lands in $OUT as it is written, so a part stopped at its limit still returns what it did.
 part=${1:-1}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -100,5 +102,15 @@ if [ "$part" = 6 ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider \
     "tests/test_deepseek.py::test_an_fp8_checkpoint_loads_and_matches_transformers" -rfE > $OUT/deepseek_fp8.log 2>&1
   tail -c 1500 $OUT/deepseek_fp8.log
+fi
+if [ "$part" = 7 ]; then
+  step "the host tier's copies on their own stream, then the hierarchical cache's TTFT on CUDA"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_spec_hicache.py -k "tier" -rA \
+    > $OUT/tier_copies.log 2>&1
+  tail -c 1500 $OUT/tier_copies.log
+  timeout 40 python3 benchmarks/cuda/make_random_smollm.py /tmp/smol .devcarry/tiny-llama 2>&1 | tail -1
+  timeout 300 python3 benchmarks/bench_hicache.py --device cuda --model /tmp/smol --json $OUT/bench_hicache.json \
+    > $OUT/bench_hicache.log 2>&1
+  tail -c 1500 $OUT/bench_hicache.log
 fi
 step "done"

@@ -82,6 +82,9 @@ class AttentionMetadata:
     # DECODE on torch SDPA: at least half of the batch's KV entries are slots another request also reads; a
     # captured step that gathers each request's rows loses to the eager distinct-slot call there
     mostly_shared: bool = False
+    # DECODE on torch SDPA: the KV entries beyond the batch's distinct slots (each one a row a per-request gather
+    # copies again), which is what a captured step pays more than the distinct-slot call
+    repeated_entries: int = 0
     # EXTEND on the CPU kernel: the batch's short extends on cached prefixes (None: there are none)
     short_extends: ShortExtends | None = None
     # DECODE on Triton: how many chunks each row's KV is cut into (split-K), fixed per captured shape

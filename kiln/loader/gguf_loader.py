@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import struct
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -372,21 +371,3 @@ def _raw_rows(data: np.ndarray, info: _TensorInfo) -> np.ndarray | None:
     if info.qtype.name not in BYTES_PER_BLOCK or len(info.shape) != 2:
         return None
     return data[info.offset : info.offset + info.nbytes].reshape(info.shape[0], -1)
-
-
-def load_gguf_tokenizer(path: str):
-    """A transformers fast tokenizer built from the GGUF metadata (vocab, merges, specials, chat template).
-
-    Only the GGUF is visible to the conversion: files that sit next to it (tokenizer_config.json, ...)
-    are ignored.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    path = os.path.abspath(os.fspath(path))
-    with tempfile.TemporaryDirectory(prefix="kiln-gguf-tok-") as tmp:
-        os.symlink(path, os.path.join(tmp, os.path.basename(path)))
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(
-            tmp, gguf_file=os.path.basename(path), local_files_only=True
-        )
-    tokenizer.name_or_path = path
-    return tokenizer

@@ -10,8 +10,9 @@ Write policies (--hicache-write-policy, SGLang's names): write_back copies a nod
 write_through copies it when it is inserted, so eviction frees device slots without a copy; write_through_selective
 copies a node once it has been hit twice, and evicts the rest without keeping them.
 
-The copies run synchronously on the scheduler's thread: on the CPU there is nothing to overlap them with, and on
-CUDA they run on the compute stream ahead of the extend that reads them."""
+The copies are the host pool's (kiln.memory.tier_copies): a store is in flight until its rows land in the host
+pool, which a load of those rows waits for; on CUDA they run on a copy stream beside the step in flight, and the
+extend that reads a loaded prefix waits for it on the GPU."""
 
 from __future__ import annotations
 
@@ -198,7 +199,12 @@ class HiRadixCache(RadixCache):
             if parent is not None and parent is not self.root_node and self._is_device_leaf(parent):
                 order += 1
                 heapq.heappush(heap, (parent.last_access_time, order, parent))
+        if freed:
+            self.host.copies.fence()  # the freed slots are written again only after the stores reading them
         return freed
+
+    def poll(self) -> None:
+        self.host.poll()
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
         return (
@@ -234,6 +240,7 @@ class HiRadixCache(RadixCache):
     def reset(self) -> None:
         if self._protected:
             raise RuntimeError(f"cannot reset the prefix cache: {self._protected} tokens are locked")
+        self.host.drain()
         for node in list(self._iter_nodes()):
             if node.value is not None:
                 self.allocator.free(node.value)
@@ -263,10 +270,12 @@ class HiRadixCache(RadixCache):
         return stats
 
     def host_integrity(self) -> dict:
-        """The host tier's invariant: slots held by nodes + free slots == its size (each held once)."""
+        """The host tier's invariant: slots held by nodes + free slots == its size (each held once); `in_flight`:
+        the slots whose rows are still being copied in."""
         held, free = self._host_slots(), self.host.allocator.available_size()
         unique = held.unique().numel() == held.numel()
         return {"held": held.numel(), "free": free, "total": self.host.size,
+                "in_flight": self.host.copies.in_flight_tokens,
                 "ok": unique and held.numel() + free == self.host.size}  # fmt: skip
 
     def host_cached_tokens(self) -> int:

@@ -1,8 +1,9 @@
 """The host tier of the KV cache (--enable-hierarchical-cache): a second pool in host memory with the device
 pool's row layout, its own page allocator, and the copies between the two.
 
-On CUDA its tensors are pinned so that copies run without staging; on the CPU it is a second pool with its own
-budget, so the behaviour is the same and testable on any machine. It mirrors whatever per-layer tensors the
+On CUDA its tensors are pinned; on the CPU it is a second pool with its own budget, so the behaviour is the same
+and testable on any machine. The copies (kiln.memory.tier_copies) run beside the compute on CUDA: a store lands
+in the host rows once its copy is done, a load is on the device before the next step reads it. It mirrors whatever per-layer tensors the
 device pool holds (K and V rows, or MLA's one latent row), so one tier serves every attention backend."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import copyable
+from kiln.memory.tier_copies import TierCopies
 
 
 class DevicePool(Protocol):
@@ -36,6 +38,7 @@ class HostKVPool:
         self._device = [copyable(t) for t in (*device_pool.k, *device_pool.v)]
         # zeros: the memory is committed at startup as the ledger's host line says, not page by page
         self._host = [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in self._device]
+        self.copies = TierCopies(self._device, self._host)
         self.bytes_written = 0  # device -> host, since the start
         self.bytes_loaded = 0  # host -> device
 
@@ -52,16 +55,18 @@ class HostKVPool:
         return sum(t[0].nbytes for t in self._host)
 
     def store(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        """Copy the KV of device_slots into host_slots, every layer."""
-        src, dst = device_slots.to(self._device[0].device), host_slots.cpu()
-        for device, host in zip(self._device, self._host, strict=True):
-            host.index_copy_(0, dst, device.index_select(0, src).cpu())
-        self.bytes_written += int(dst.numel()) * self.row_bytes()
+        """Copy the KV of device_slots into host_slots, every layer; the rows land there by the next load of
+        them (or `drain`)."""
+        self.copies.store(device_slots, host_slots)
+        self.bytes_written += int(host_slots.numel()) * self.row_bytes()
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Copy the KV of host_slots back into device_slots, every layer."""
-        src, dst = host_slots.cpu(), device_slots.to(self._device[0].device)
-        for device, host in zip(self._device, self._host, strict=True):
-            rows = host.index_select(0, src)
-            device.index_copy_(0, dst, rows.to(device.device, non_blocking=rows.is_pinned()))
-        self.bytes_loaded += int(src.numel()) * self.row_bytes()
+        """Copy the KV of host_slots back into device_slots, every layer, ahead of the next step."""
+        self.copies.load(host_slots, device_slots)
+        self.bytes_loaded += int(host_slots.numel()) * self.row_bytes()
+
+    def poll(self) -> None:
+        self.copies.poll()
+
+    def drain(self) -> None:
+        self.copies.drain()

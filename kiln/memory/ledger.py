@@ -34,6 +34,7 @@ from kiln.memory.ledger_steps import (
     reserve_bytes,
     static_bytes,
     step_shapes,
+    tier_staging_bytes,
 )
 from kiln.memory.ledger_types import Failure, Ledger, LedgerInputs, LedgerLine
 from kiln.memory.model_shapes import (
@@ -274,6 +275,8 @@ def reserve_lines(
     runtime = "interpreter, tokenizer, allocator slack" + (
         f" + tp {inputs.tp_size}/8 GiB comm" if cuda else ""
     )
+    if staging := tier_staging_bytes(inputs):
+        runtime += f" + host tier staging {human(staging)}"
     return [
         LedgerLine(
             "request table",

@@ -26,6 +26,7 @@ from kiln.memory.model_shapes import (
     text_config,
     weight_bytes,
 )
+from kiln.memory.tier_staging import STAGING_BYTES
 
 # CPU default prefill chunk: at CPU prefill speed a chunk this long already holds running decodes back for
 # seconds; longer chunks stall them for longer without making prefill faster, and its activations are small.
@@ -117,6 +118,11 @@ class StepShapes:
         return self.chunk if self.chunk > 0 else self.prefill_tokens
 
 
+def tier_staging_bytes(inputs: LedgerInputs) -> int:
+    """The device ring the host tier's copies go through on CUDA (kiln.memory.tier_copies)."""
+    return STAGING_BYTES if inputs.device.startswith("cuda") and inputs.enable_hierarchical_cache else 0
+
+
 def step_shapes(inputs: LedgerInputs) -> StepShapes:
     cuda = inputs.device.startswith("cuda")
     context = inputs.context_length or context_len_of(inputs.hf_config)
@@ -141,7 +147,9 @@ def step_shapes(inputs: LedgerInputs) -> StepShapes:
         prefill_graphs=graph_prefill_tokens(inputs, graph_chunk),
         prefill_bytes=prefill_bytes,
         prefill_text=prefill_text,
-        overhead=RUNTIME_OVERHEAD_BYTES + (inputs.tp_size * GIB // 8 if cuda else 0),
+        overhead=RUNTIME_OVERHEAD_BYTES
+        + (inputs.tp_size * GIB // 8 if cuda else 0)
+        + tier_staging_bytes(inputs),
         vocab=required(text_config(inputs.hf_config), "vocab_size"),
     )
 

@@ -86,6 +86,11 @@ class PrefixCache(ABC):
         """Whether a request whose state covers ``num_tokens`` tokens should leave a checkpoint now."""
         return False
 
+    def poll(self) -> None:
+        """Once a scheduler step: finish what the cache's background copies have done (the host tier's stores
+        land in the host pool). Nothing to do for a one-tier cache."""
+        return None
+
     @abstractmethod
     def reset(self) -> None:
         """Free everything back to the allocator (nothing may be locked)."""

@@ -32,6 +32,11 @@ GraphCapture = Callable[[Callable[[], None], Any], tuple[Callable[[], None], Any
 
 # the KV length of the dummy decode batch used for capture (>= 2: a length of 1 would be specialised)
 CAPTURE_KV_LEN = 64
+# The repeated KV a CUDA graph may gather for a decode batch whose rows mostly share their slots (a request's
+# catch-up or verify rows, n > 1 on a long prompt) before the eager distinct-slot call wins: eager steps of a
+# small model are launch-bound (a draft head's catch-up rows took 2.2-2.4 ms whatever the batch on an H200),
+# while 1 GiB gathered again is about 0.5 ms at that GPU's 4.18 TB/s of copy bandwidth.
+CUDA_SHARED_GATHER_LIMIT = 1 << 30
 DecodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # a step's logits and the hidden states it hands a draft (None: the model keeps none)
 StepOutput = tuple[torch.Tensor, torch.Tensor | None]
@@ -236,6 +241,9 @@ class CompiledDecode:
     name = "inductor"
     compiled = True  # its payoff against eager is measured at capture
     kv_width: int | None = None  # the KV length is dynamic: any width replays
+    shared_gather_limit = (
+        0  # a mostly shared batch runs eagerly (unless the step reads its shared prefix once)
+    )
 
     def __init__(
         self,
@@ -278,8 +286,9 @@ class CudaGraphDecode:
     name = "full"
     compiled = False
     # the graphs run on the graph metadata: no distinct slots, no shared prefix, each request's rows gathered or
-    # walked; mostly shared batches run eagerly
+    # walked; mostly shared batches run eagerly once the rows they gather again pass shared_gather_limit
     reads_shared_prefix_once = False
+    shared_gather_limit = CUDA_SHARED_GATHER_LIMIT
 
     def __init__(
         self,

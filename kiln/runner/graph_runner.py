@@ -141,6 +141,16 @@ class Phase:
         }
 
 
+def shared_kv_runs_eagerly(fb: ForwardBatch, backend, kv_token_bytes: int) -> bool:
+    """Whether a decode batch whose rows mostly read the same slots runs eagerly rather than on a captured step
+    that gathers each row's KV: when the rows it gathers again cost more than the replay saves (the backend's
+    shared_gather_limit, in bytes: none on the CPU, where compiled steps save little; on CUDA, what eager launches
+    cost). kv_token_bytes: one token's KV over every layer."""
+    if fb.kv_table.shape[0] == 1 or backend.reads_shared_prefix_once or not fb.attn.mostly_shared:
+        return False
+    return fb.attn.repeated_entries * kv_token_bytes > backend.shared_gather_limit
+
+
 class GraphRunner:
     """Captures the prefill token counts and decode batch sizes at startup; runs a batch on the shape that fits."""
 
@@ -166,6 +176,8 @@ class GraphRunner:
         catch_up_tokens_per_req: a draft head's, the most tokens a catch-up gives a request (0: none captured)."""
         self.model, self.device, self.role = model, device, role
         self.attn = attn_backend
+        pool = attn_backend.kv_pool
+        self.kv_token_bytes = sum(t[0].nbytes for t in (*pool.k, *getattr(pool, "v", [])))  # every layer's KV
         self.cuda = device.startswith("cuda")
         eager_only = getattr(model, "eager_only", None)
         if eager_only:  # nothing captured: every batch runs eagerly
@@ -345,7 +357,7 @@ class GraphRunner:
         if best is None:
             return None, None
         phase, size = best
-        if fb.kv_table.shape[0] > 1 and not phase.backend.reads_shared_prefix_once and fb.attn.mostly_shared:
+        if shared_kv_runs_eagerly(fb, phase.backend, self.kv_token_bytes):
             return None, None  # the eager path reads KV shared by the batch once: it wins there
         return phase, size
 

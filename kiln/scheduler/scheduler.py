@@ -236,6 +236,7 @@ class Scheduler(OverlapSchedule):
         loop turns expired deadlines into aborts every rank receives (expired_aborts) instead."""
         if distributed.tp_size() == 1:
             self._expire_deadlines()
+        self.kv.cache.poll()
         self._admit_compiled()
         if self._chains():
             self._overlap_decode()

@@ -61,7 +61,7 @@ ENGINE_FIELDS = {
     ),
     "host_load_back_seconds": (
         "kiln:hicache_load_back_seconds_total",
-        "seconds spent loading prefixes back from the host tier",
+        "seconds the scheduler spent loading prefixes back from the host tier (on CUDA: issuing the copies)",
         "counter",
     ),
     "host_bytes_written": (

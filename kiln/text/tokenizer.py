@@ -12,7 +12,7 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None, chat_temp
     # the model's own path resolved as its weights are (a directory holding one .gguf file means that file)
     path = tokenizer_path or resolve_model_path(model_path)
     if path.endswith(".gguf"):
-        from kiln.loader.gguf_loader import load_gguf_tokenizer
+        from kiln.loader.gguf_tokenizer import load_gguf_tokenizer
 
         tok = load_gguf_tokenizer(path)
     else:

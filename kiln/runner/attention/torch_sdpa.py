@@ -32,9 +32,11 @@ class TorchSdpaBackend(AttentionBackend):
             # schedule launches this one behind): on a GPU only where rows can share a prefix
             return AttentionMetadata()
         slots, inverse = torch.unique(fb.kv_table, return_inverse=True)
+        entries = kv_entries(fb)
         return AttentionMetadata(
             distinct=distinct_slots(fb, slots, inverse, self.group),
-            mostly_shared=mostly_shared(fb, slots),
+            mostly_shared=2 * slots.numel() <= entries,
+            repeated_entries=max(entries - slots.numel(), 0),
         )
 
     def decode(
@@ -152,8 +154,7 @@ def distinct_slots(
     return DistinctSlots(slots, mask.repeat_interleave(group, dim=0).view(1, 1, b * group, -1))
 
 
-def mostly_shared(fb: ForwardBatch, slots: torch.Tensor) -> bool:
-    """Whether at least half of the batch's KV entries are slots another request also reads (a common prefix);
-    `slots`: the table's distinct slots."""
-    entries = int(fb.kv_mask.sum()) if fb.kv_mask is not None else fb.kv_table.numel()
-    return 2 * slots.numel() <= entries
+def kv_entries(fb: ForwardBatch) -> int:
+    """The KV entries a decode batch's rows read, all rows together (at least half of them slots another row also
+    reads: the batch is mostly shared, a common prefix)."""
+    return int(fb.kv_mask.sum()) if fb.kv_mask is not None else fb.kv_table.numel()
