@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import default_tokenizer_source
+from conftest import default_tokenizer_source, hf_model_of_gguf
 
 import kiln
 from kiln.core.forward_batch import ForwardMode
@@ -115,9 +114,7 @@ def load_hf(path: str):
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-        )
+        model = hf_model_of_gguf(path)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()

@@ -133,7 +133,8 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(model_path: str) -> None:
     assert ours.eos_token == "<|im_end|>"
 
 
-def test_tokenizer_ignores_files_next_to_the_gguf(model_path: str, tmp_path: Path) -> None:
+def test_tokenizer_ignores_files_next_to_the_gguf(model_path: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(gguf_tokenizer, "tokenizer_cache_dir", lambda: tmp_path / "cache")  # converted here
     link = tmp_path / "model.gguf"
     link.symlink_to(model_path)
     (tmp_path / "tokenizer_config.json").write_text(
@@ -162,7 +163,7 @@ def test_the_converted_tokenizer_is_kept_and_later_loads_read_it(
     monkeypatch.setattr(gguf_tokenizer, "tokenizer_cache_dir", lambda: tmp_path / "cache")
     converted = load_gguf_tokenizer(model_path)
     (kept,) = (tmp_path / "cache").iterdir()
-    assert (kept / "tokenizer.json").is_file()
+    assert (kept / "tokenizer.json").is_file() and (kept / gguf_tokenizer.DONE).is_file()
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted the GGUF again")

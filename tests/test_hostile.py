@@ -278,7 +278,9 @@ def test_500_held_connections_do_not_starve_real_requests_and_are_cut(hostile):
         assert time.time() - opened < READ_TIMEOUT, (
             "measured after the holders were cut: rerun on a calmer machine"
         )
-        assert held <= 2 * baseline + 0.5, (baseline, held)
+        # starved, the requests would wait for the holders to be cut (READ_TIMEOUT); on a 2-core host shared with
+        # another test worker the event loop's 500 extra sockets cost a few times the baseline, no more
+        assert held <= min(4 * baseline + 2.0, READ_TIMEOUT / 2), (baseline, held)
         deadline = opened + READ_TIMEOUT + 20
         left = holders.all()
         outcomes: dict[socket.socket, bytes] = {}

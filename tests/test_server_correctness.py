@@ -4,10 +4,10 @@ greedy output on the same weights (float32), streaming and not, alone and concur
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
+from conftest import hf_model_of_gguf
 from openai import AsyncOpenAI, OpenAI
 
 NEW_TOKENS = 12
@@ -24,14 +24,10 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(default_model):
     """(prompt ids, greedy continuation ids) per prompt, from transformers reading the same GGUF."""
-    from transformers import AutoModelForCausalLM
-
     from kiln.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model)
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_model), gguf_file=os.path.basename(default_model), dtype=torch.float32
-    ).eval()
+    model = hf_model_of_gguf(default_model)
     cases = []
     with torch.inference_mode():
         for text in PROMPTS:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
 import kiln.layers.cpu_gemm as cpu_gemm
@@ -175,17 +177,26 @@ def build_kernels(
 
 
 def main() -> int:
-    """`python -m kiln.layers.kernel_builds`: build (or load) every Kiln extension now, printing what each took.
+    """`python -m kiln.layers.kernel_builds`: build (or load) every Kiln extension now, printing what each took;
+    several build side by side, each in a process of its own (one compiler each: `make install` on two cores).
     Exits 0 even where one cannot be built: Kiln then runs without it, as the warning says."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     kernels = ALL_KERNELS if cpu_runs_kiln_kernel() else (INT_GEMM,)
-
-    def show(name: str, info: dict) -> None:
-        if name == "progress" and "elapsed_s" in info and info["elapsed_s"] % 15 == 0:
-            print(f"  {info['kernel']}: {info['elapsed_s']} s", flush=True)
-
-    build_kernels(kernels, show)
+    if len(kernels) == 1:
+        _build_alone(kernels[0])
+        return 0
+    with ProcessPoolExecutor(len(kernels), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_build_alone, kernels))
     return 0
+
+
+def _build_alone(kernel: Kernel) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    build_kernels([kernel], _show_progress)
+
+
+def _show_progress(name: str, info: dict) -> None:
+    if name == "progress" and "elapsed_s" in info and info["elapsed_s"] % 15 == 0:
+        print(f"  {info['kernel']}: {info['elapsed_s']} s", flush=True)
 
 
 if __name__ == "__main__":

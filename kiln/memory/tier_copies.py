@@ -5,14 +5,14 @@ A store reads a prefix's rows after the step that wrote them and moves them to s
 in the host pool at a later poll, once the move is done. A load gathers host rows into staging, moves them to the
 device and scatters them into the pool on the compute stream, ahead of the extend that reads them.
 
-On CUDA the staging is pinned and the moves run on a copy stream through a ring of device buffers whose reuse the
-GPU orders (events). A store's gather runs on the copy stream too, after the compute stream's work so far, so
-neither the scheduler nor the next step waits for it (the synchronous `.cpu()` it replaces made the scheduler wait
-for the step in flight, under the overlap schedule); the one ordering it needs, that no step writes a slot before
-the gathers reading it are done, is kept by `fence`, which the cache calls before it frees device slots. A load's
-first two chunks (the ring) copy while the step in flight computes; later chunks follow it. On the CPU the moves
-are done when issued, but a store still lands at the next poll, so the in-flight state every CUDA store passes
-through is exercised by every test.
+On CUDA the staging is pinned, and each direction has its own stream and ring of device buffers. A store's gather
+and copy run on the store stream after the compute stream's work so far, so neither the scheduler nor the next
+step waits for them (the synchronous `.cpu()` this replaces made the scheduler wait for the step in flight, under
+the overlap schedule); the one ordering it needs, that no step writes a slot before the gathers reading it are
+done, is kept by `fence`, which the cache calls before it frees device slots. A load's copies run on the load
+stream, never behind a store, beside the step in flight for the first two chunks (the ring; the scatter of a
+chunk frees its buffer), the rest after it. On the CPU the moves are done when issued, but a store still lands at
+the next poll, so the in-flight state every CUDA store passes through is exercised by every test.
 
 What waits on the host: a load of host slots that a store in flight still has to write (that store lands first),
 and copies in flight past HOST_STAGING_BYTES of pinned staging in either direction (the oldest first). Staging
@@ -77,16 +77,20 @@ class TierCopies:
         self._loading = 0
         self.on_cuda = device[0].is_cuda
         if self.on_cuda:
-            self.copy_stream = torch.cuda.Stream(device[0].device)
-            shape = (self.chunk_tokens,)
-            self._ring = [
-                [torch.empty(shape + t.shape[1:], dtype=t.dtype, device=t.device) for t in device]
-                for _ in range(RING)
-            ]
-            # a buffer's last reader on the compute stream (a load's scatter), done; None: the copy stream's own
-            self._ring_free: list[torch.cuda.Event | None] = [None] * RING
-            self._turn = 0
+            # a stream and a ring of device buffers each way, so that a load never queues behind a store's wait
+            # for the compute stream
+            self.store_stream, self.load_stream = (torch.cuda.Stream(device[0].device) for _ in range(2))
+            self._store_ring, self._load_ring = self._ring(), self._ring()
+            # a load buffer's reader on the compute stream (the scatter), done; a store buffer's readers are all
+            # on the store stream, in its order
+            self._load_free: list[torch.cuda.Event | None] = [None] * RING
+            self._store_turn = self._load_turn = 0
         self._gathered: torch.cuda.Event | None = None  # the last store's gathers, done
+
+    def _ring(self) -> list[list[torch.Tensor]]:
+        shape = (self.chunk_tokens,)
+        return [[torch.empty(shape + t.shape[1:], dtype=t.dtype, device=t.device) for t in self.device]
+                for _ in range(RING)]  # fmt: skip
 
     @property
     def in_flight_tokens(self) -> int:
@@ -110,20 +114,21 @@ class TierCopies:
         return _Done()
 
     def _to_host(self, src: torch.Tensor) -> tuple[list[torch.Tensor], Completion]:
-        buf, j = self._ring_buffer(int(src.numel()))
-        staged = self._pinned(int(src.numel()))
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device[0].device))  # the rows are written
-        with torch.cuda.stream(self.copy_stream):
-            if self._ring_free[j] is not None:  # a load's scatter still reads this buffer
-                self.copy_stream.wait_event(self._ring_free[j])
+        n = int(src.numel())
+        buf = [b[:n] for b in self._store_ring[self._store_turn]]
+        self._store_turn = (self._store_turn + 1) % RING
+        staged = self._pinned(n)
+        self.store_stream.wait_stream(
+            torch.cuda.current_stream(self.device[0].device)
+        )  # the rows are written
+        with torch.cuda.stream(self.store_stream):
             for t, b in zip(self.device, buf, strict=True):
                 torch.index_select(t, 0, src, out=b)
-            self._gathered = self.copy_stream.record_event()
+            self._gathered = self.store_stream.record_event()
             for st, b in zip(staged, buf, strict=True):
                 st.copy_(b, non_blocking=True)
-            done = self.copy_stream.record_event()
-        src.record_stream(self.copy_stream)
-        self._ring_free[j] = None  # the copy stream reads and writes it next in its own order
+            done = self.store_stream.record_event()
+        src.record_stream(self.store_stream)
         return staged, done
 
     def fence(self) -> None:
@@ -199,21 +204,19 @@ class TierCopies:
         staged = self._pinned(int(src.numel()))
         for h, st in zip(self.host, staged, strict=True):
             torch.index_select(h, 0, src, out=st)
-        buf, j = self._ring_buffer(int(src.numel()))
-        if self._ring_free[j] is not None:
-            self.copy_stream.wait_event(self._ring_free[j])
-        with torch.cuda.stream(self.copy_stream):
+        j = self._load_turn
+        self._load_turn = (j + 1) % RING
+        buf = [b[: src.numel()] for b in self._load_ring[j]]
+        if self._load_free[j] is not None:  # the scatter of the chunk before last still reads this buffer
+            self.load_stream.wait_event(self._load_free[j])
+        with torch.cuda.stream(self.load_stream):
             for b, st in zip(buf, staged, strict=True):
                 b.copy_(st, non_blocking=True)  # the pinned block is kept until this copy is done (torch's)
-            arrived = self.copy_stream.record_event()
+            arrived = self.load_stream.record_event()
         self._loads.append((arrived, nbytes))
         self._loading += nbytes
         compute = torch.cuda.current_stream(self.device[0].device)
         compute.wait_event(arrived)
         for t, b in zip(self.device, buf, strict=True):
             t.index_copy_(0, dst, b)
-        self._ring_free[j] = compute.record_event()
-
-    def _ring_buffer(self, n: int) -> tuple[list[torch.Tensor], int]:
-        j, self._turn = self._turn, (self._turn + 1) % RING
-        return [b[:n] for b in self._ring[j]], j
+        self._load_free[j] = compute.record_event()
