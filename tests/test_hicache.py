@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tier_copies import Held
 
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.hiradix_cache import WRITE_POLICIES, HiRadixCache
@@ -113,14 +114,14 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_its_kv(policy: str) -> 
 
 def test_a_prefix_whose_copy_to_the_host_is_still_in_flight_comes_back_with_its_kv() -> None:
     h = Harness("write_back", device_tokens=16)
-    copies: list[SlowCopy] = []
-    h.host.copies._done_on_cpu = lambda: copies.append(SlowCopy()) or copies[-1]
+    copies: list[Held] = []
+    h.host.copies._done_on_cpu = lambda: copies.append(Held()) or copies[-1]
     key = list(range(100, 112))
     h.compute(key)
     h.compute(list(range(40, 52)))  # evicts `key` to the host: its copy is in flight
-    assert h.cache.host_integrity()["in_flight"] == 12 and not copies[0].done
+    assert h.cache.host_integrity()["in_flight"] == 12 and not copies[0].released
     match = h.cache.match_prefix(key)  # loads it back: the copy lands first
-    assert match.indices.numel() == 12 and copies[0].done
+    assert match.indices.numel() == 12 and copies[0].released
     h.check_rows(key, match.indices)
     h.check_accounting()
 
@@ -171,18 +172,6 @@ def test_a_locked_prefix_never_leaves_the_device() -> None:
     h.check_accounting()
 
 
-class SlowCopy:
-    """A host-tier store still being copied, as on a GPU: done when the program says so or the host waits."""
-
-    done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     policy=st.sampled_from(WRITE_POLICIES),
@@ -208,14 +197,14 @@ def test_random_programs_keep_kv_and_accounting(
     landing over freed and reused host slots, and staging waits happen too."""
     with tempfile.TemporaryDirectory() as tmp:
         h = Harness(policy, page=page, storage_dir=Path(tmp) if storage else None)
-        copies: list[SlowCopy] = []
+        copies: list[Held] = []
         if slow_copies:
             h.host.copies.host_staging_bytes = 24 * h.host.row_bytes()
-            h.host.copies._done_on_cpu = lambda: copies.append(SlowCopy()) or copies[-1]
+            h.host.copies._done_on_cpu = lambda: copies.append(Held()) or copies[-1]
         _run_program(h, program, copies)
 
 
-def _run_program(h: Harness, program, copies: list[SlowCopy]) -> None:
+def _run_program(h: Harness, program, copies: list[Held]) -> None:
     stems = [[7, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [7, 7, 8, 9, 30, 31, 32, 33, 34, 35, 36, 37]]
     for op, which, length in program:
         if op == "compute":
@@ -227,7 +216,7 @@ def _run_program(h: Harness, program, copies: list[SlowCopy]) -> None:
             h.cache._evict_host(length)
         else:  # the copies issued so far, but the last `which`, are done
             for copy in copies[: max(len(copies) - which, 0)]:
-                copy.done = True
+                copy.released = True
         h.check_accounting()
 
 

@@ -11,8 +11,8 @@ write_through copies it when it is inserted, so eviction frees device slots with
 copies a node once it has been hit twice, and evicts the rest without keeping them.
 
 The copies are the host pool's (kiln.memory.tier_copies): a store is in flight until its rows land in the host
-pool, which a load of those rows waits for; on CUDA they run on a copy stream beside the step in flight, and the
-extend that reads a loaded prefix waits for it on the GPU."""
+pool, which a load of those rows waits for; on CUDA they run on streams of their own beside the step in flight,
+and the extend that reads a loaded prefix waits for it on the GPU."""
 
 from __future__ import annotations
 

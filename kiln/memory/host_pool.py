@@ -3,8 +3,9 @@ pool's row layout, its own page allocator, and the copies between the two.
 
 On CUDA its tensors are pinned; on the CPU it is a second pool with its own budget, so the behaviour is the same
 and testable on any machine. The copies (kiln.memory.tier_copies) run beside the compute on CUDA: a store lands
-in the host rows once its copy is done, a load is on the device before the next step reads it. It mirrors whatever per-layer tensors the
-device pool holds (K and V rows, or MLA's one latent row), so one tier serves every attention backend."""
+in the host rows once its copy is done, a load is on the device before the next step reads it. It mirrors
+whatever per-layer tensors the device pool holds (K and V rows, or MLA's one latent row), so one tier serves
+every attention backend."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class HostKVPool:
 
     def row_bytes(self) -> int:
         """Bytes one token occupies across every layer (the same on both tiers)."""
-        return sum(t[0].nbytes for t in self._host)
+        return self.copies.row_bytes
 
     def store(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy the KV of device_slots into host_slots, every layer; the rows land there by the next load of

@@ -118,9 +118,8 @@ class TierCopies:
         buf = [b[:n] for b in self._store_ring[self._store_turn]]
         self._store_turn = (self._store_turn + 1) % RING
         staged = self._pinned(n)
-        self.store_stream.wait_stream(
-            torch.cuda.current_stream(self.device[0].device)
-        )  # the rows are written
+        # after the compute stream's work so far: the rows are written
+        self.store_stream.wait_stream(torch.cuda.current_stream(self.device[0].device))
         with torch.cuda.stream(self.store_stream):
             for t, b in zip(self.device, buf, strict=True):
                 torch.index_select(t, 0, src, out=b)

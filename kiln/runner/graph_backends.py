@@ -241,9 +241,8 @@ class CompiledDecode:
     name = "inductor"
     compiled = True  # its payoff against eager is measured at capture
     kv_width: int | None = None  # the KV length is dynamic: any width replays
-    shared_gather_limit = (
-        0  # a mostly shared batch runs eagerly (unless the step reads its shared prefix once)
-    )
+    # a mostly shared batch runs eagerly (unless the step reads its shared prefix once)
+    shared_gather_limit = 0
 
     def __init__(
         self,

@@ -177,7 +177,7 @@ class GraphRunner:
         self.model, self.device, self.role = model, device, role
         self.attn = attn_backend
         pool = attn_backend.kv_pool
-        self.kv_token_bytes = sum(t[0].nbytes for t in (*pool.k, *getattr(pool, "v", [])))  # every layer's KV
+        self.kv_token_bytes = sum(t[0].nbytes for t in (*pool.k, *pool.v))  # every layer's KV
         self.cuda = device.startswith("cuda")
         eager_only = getattr(model, "eager_only", None)
         if eager_only:  # nothing captured: every batch runs eagerly
