@@ -266,21 +266,32 @@ class Holders:
             sock.close()
 
 
+def held_latency(url: str, port: int) -> tuple[Holders, float, float]:
+    """Opens 500 holders and measures real requests beside them: (holders, when they opened, median latency).
+    A try counts only if its requests finished before the first holder could be cut and within a few times the
+    baseline measured just before it: on a 2-core host shared with another test worker a burst of load can void
+    one, so up to three are made. Starved requests wait for the cut (READ_TIMEOUT) in every try."""
+    tries = []
+    for _ in range(3):
+        baseline = statistics.median(serves(url) for _ in range(5))
+        opened = time.time()
+        holders = Holders(port, 500)
+        held = statistics.median(serves(url) for _ in range(5))
+        took = time.time() - opened
+        if took < READ_TIMEOUT and held <= min(4 * baseline + 2.0, READ_TIMEOUT / 2):
+            return holders, opened, held
+        holders.close()
+        tries.append({"baseline": round(baseline, 3), "held": round(held, 3), "took": round(took, 1)})
+        time.sleep(READ_TIMEOUT)  # the closed holders' slots free on the server's side
+    pytest.fail(f"real requests starved beside 500 held connections in every try: {tries}")
+
+
 @pytest.mark.slow
 def test_500_held_connections_do_not_starve_real_requests_and_are_cut(hostile):
     url = hostile.url
     serves(url)
-    baseline = statistics.median(serves(url) for _ in range(5))
-    opened = time.time()
-    holders = Holders(hostile.port, 500)
+    holders, opened, _ = held_latency(url, hostile.port)
     try:
-        held = statistics.median(serves(url) for _ in range(5))
-        assert time.time() - opened < READ_TIMEOUT, (
-            "measured after the holders were cut: rerun on a calmer machine"
-        )
-        # starved, the requests would wait for the holders to be cut (READ_TIMEOUT); on a 2-core host shared with
-        # another test worker the event loop's 500 extra sockets cost a few times the baseline, no more
-        assert held <= min(4 * baseline + 2.0, READ_TIMEOUT / 2), (baseline, held)
         deadline = opened + READ_TIMEOUT + 20
         left = holders.all()
         outcomes: dict[socket.socket, bytes] = {}
