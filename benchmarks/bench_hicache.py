@@ -35,7 +35,7 @@ def user_message(conversation: int, turn: int) -> str:
 def engine(model: str, pool_tokens: int, device: str = "cpu", **tier):
     import kiln
 
-    return kiln.Engine(model_path=model, device=device, max_total_tokens=pool_tokens, **tier)
+    return kiln.Engine(model_path=model, device=device, **{"max_total_tokens": pool_tokens, **tier})
 
 
 def chat_configs(args: argparse.Namespace) -> dict[str, dict]:
@@ -59,10 +59,7 @@ def chat_ttfts(model: str, args: argparse.Namespace, configs: dict[str, dict]) -
     """TTFT of every turn after the first round, for each engine configuration. The engines live side by side
     and take each turn one after the other, their order reversed from turn to turn, so that a burst of load on a
     shared host lands on all of them instead of on whichever ran during it."""
-    engines = {
-        name: engine(model, tier.pop("max_total_tokens", args.pool_tokens), args.device, **tier)
-        for name, tier in ((name, dict(tier)) for name, tier in configs.items())
-    }
+    engines = {name: engine(model, args.pool_tokens, args.device, **tier) for name, tier in configs.items()}
     try:
         histories = ["System: a long chat." for _ in range(args.conversations)]
         times: dict[str, list[float]] = {name: [] for name in engines}

@@ -84,36 +84,32 @@ def default_tokenizer_source() -> str:
 def hf_model_of_gguf(path: str):
     """transformers' own float32 model of a GGUF file, the reference the correctness tests compare with. Its
     conversion (reading the GGUF's metadata and dequantizing in Python) takes ~25 s, so the converted model is kept
-    as safetensors under ~/.cache/kiln/test-hf, keyed by the file and transformers' version, and the test modules
-    after the first load that instead: still transformers' reading of the same file."""
-    import hashlib
-    import shutil
-    import tempfile
+    as safetensors under ~/.cache/kiln/test-hf (kiln.loader.kept_dirs: keyed by the file and transformers' and
+    gguf's versions), and the test modules after the first load that instead: still transformers' reading of the
+    same file."""
     from importlib.metadata import version
 
     from transformers import AutoModelForCausalLM
 
-    stat = os.stat(path)
-    key = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{version('transformers')}|{version('gguf')}"
-    kept = Path("~/.cache/kiln/test-hf").expanduser() / hashlib.sha256(key.encode()).hexdigest()[:24]
-    if (kept / "config.json").is_file():
+    from kiln.loader.kept_dirs import is_kept, keep, kept_dir
+
+    root = Path("~/.cache/kiln/test-hf").expanduser()
+    kept = kept_dir(root, path, *(f"{p} {version(p)}" for p in ("transformers", "gguf")))
+    if is_kept(kept):
         return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     ).eval()
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=kept.parent, prefix=".tmp-"))
-    try:  # written aside and renamed into place: another worker sees all of it or none
+
+    def save(tmp: Path) -> None:
         # the weights are dequantized float32 already; transformers only refuses to save what it read from a GGUF
         quantizer, model.hf_quantizer = getattr(model, "hf_quantizer", None), None
         try:
             model.save_pretrained(tmp)
         finally:
             model.hf_quantizer = quantizer
-        with contextlib.suppress(OSError):  # another worker kept its copy first
-            os.rename(tmp, kept)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    keep(kept, save)
     return model
 
 

@@ -146,10 +146,8 @@ def test_tier_copies_run_beside_the_compute_stream() -> None:
     copies = TierCopies(device, host, chunk_bytes=256 * 1024)  # 32 tokens a chunk: the ring turns 64 times
     want = [t.cpu() for t in device]
     src, dst = torch.randperm(tokens)[:n], torch.randperm(tokens)[:n]
-    src_on_device, back = (
-        src.to(DEVICE),
-        torch.randperm(tokens)[:n].to(DEVICE),
-    )  # no host copy behind the sleep
+    # the device slots moved before the sleep: no host copy waits behind it
+    src_on_device, back = src.to(DEVICE), torch.randperm(tokens)[:n].to(DEVICE)
     torch.cuda.synchronize()
 
     _busy_gpu()

@@ -18,6 +18,7 @@ from kiln.loader import gguf_tokenizer
 from kiln.loader.default_model import default_model_path
 from kiln.loader.gguf_loader import iter_gguf_tensors, read_gguf_config
 from kiln.loader.gguf_tokenizer import load_gguf_tokenizer
+from kiln.loader.kept_dirs import is_kept
 
 # ---------------------------------------------------------------- the default model vs transformers
 
@@ -163,7 +164,7 @@ def test_the_converted_tokenizer_is_kept_and_later_loads_read_it(
     monkeypatch.setattr(gguf_tokenizer, "tokenizer_cache_dir", lambda: tmp_path / "cache")
     converted = load_gguf_tokenizer(model_path)
     (kept,) = (tmp_path / "cache").iterdir()
-    assert (kept / "tokenizer.json").is_file() and (kept / gguf_tokenizer.DONE).is_file()
+    assert (kept / "tokenizer.json").is_file() and is_kept(kept)
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted the GGUF again")

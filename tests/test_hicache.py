@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_tier_copies import Held
+from test_tier_copies import Held, hold_copies
 
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.hiradix_cache import WRITE_POLICIES, HiRadixCache
@@ -114,8 +114,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_its_kv(policy: str) -> 
 
 def test_a_prefix_whose_copy_to_the_host_is_still_in_flight_comes_back_with_its_kv() -> None:
     h = Harness("write_back", device_tokens=16)
-    copies: list[Held] = []
-    h.host.copies._done_on_cpu = lambda: copies.append(Held()) or copies[-1]
+    copies = hold_copies(h.host.copies)
     key = list(range(100, 112))
     h.compute(key)
     h.compute(list(range(40, 52)))  # evicts `key` to the host: its copy is in flight
@@ -200,7 +199,7 @@ def test_random_programs_keep_kv_and_accounting(
         copies: list[Held] = []
         if slow_copies:
             h.host.copies.host_staging_bytes = 24 * h.host.row_bytes()
-            h.host.copies._done_on_cpu = lambda: copies.append(Held()) or copies[-1]
+            copies = hold_copies(h.host.copies)
         _run_program(h, program, copies)
 
 

@@ -24,19 +24,24 @@ class Held:
         self.released = True
 
 
-def copies(tokens: int = 8, host_staging_bytes: int = 1 << 30) -> tuple[TierCopies, list[Held], list[str]]:
-    device = [torch.arange(tokens * 4, dtype=torch.float32).view(tokens, 2, 2) + 1000 * i for i in range(2)]
-    host = [torch.zeros(tokens, 2, 2) for _ in range(2)]
-    c = TierCopies(device, host, host_staging_bytes=host_staging_bytes)
+def hold_copies(c: TierCopies, log: list[str] | None = None) -> list[Held]:
+    """Make every store `c` issues from now on a Held copy, named by its order; the list of them."""
     held: list[Held] = []
-    log: list[str] = []
 
     def issue() -> Held:
         held.append(Held(log, f"store {len(held)}"))
         return held[-1]
 
     c._done_on_cpu = issue
-    return c, held, log
+    return held
+
+
+def copies(tokens: int = 8, host_staging_bytes: int = 1 << 30) -> tuple[TierCopies, list[Held], list[str]]:
+    device = [torch.arange(tokens * 4, dtype=torch.float32).view(tokens, 2, 2) + 1000 * i for i in range(2)]
+    host = [torch.zeros(tokens, 2, 2) for _ in range(2)]
+    c = TierCopies(device, host, host_staging_bytes=host_staging_bytes)
+    log: list[str] = []
+    return c, hold_copies(c, log), log
 
 
 def slots(*xs: int) -> torch.Tensor:

@@ -19,6 +19,11 @@ def copyable(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.uint8) if rows.dtype in _BYTE_COPIED else rows
 
 
+def token_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes one token's rows take across `tensors` (a pool's per-layer K and V, or a tier's copies of them)."""
+    return sum(t[0].nbytes for t in tensors)
+
+
 class KVPool:
     def __init__(
         self,

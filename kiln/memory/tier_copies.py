@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from kiln.memory.kv_pool import token_bytes
 from kiln.memory.tier_staging import HOST_STAGING_BYTES, RING, STAGING_CHUNK_BYTES
 
 
@@ -67,7 +68,7 @@ class TierCopies:
         host_staging_bytes: int = HOST_STAGING_BYTES,
     ) -> None:
         self.device, self.host = device, host
-        self.row_bytes = sum(t[0].nbytes for t in host)
+        self.row_bytes = token_bytes(host)
         self.chunk_tokens = max(1, chunk_bytes // self.row_bytes)
         self.host_staging_bytes = host_staging_bytes
         self._stores: deque[_Store] = deque()

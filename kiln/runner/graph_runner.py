@@ -40,6 +40,7 @@ from kiln.core.graph_shapes import (
     verify_rows,
 )
 from kiln.core.units import gib
+from kiln.memory.kv_pool import token_bytes
 from kiln.platform import available_gb, available_memory_bytes, used_memory_bytes
 from kiln.runner.attention import AttentionBackend
 from kiln.runner.compiler import (
@@ -176,8 +177,7 @@ class GraphRunner:
         catch_up_tokens_per_req: a draft head's, the most tokens a catch-up gives a request (0: none captured)."""
         self.model, self.device, self.role = model, device, role
         self.attn = attn_backend
-        pool = attn_backend.kv_pool
-        self.kv_token_bytes = sum(t[0].nbytes for t in (*pool.k, *pool.v))  # every layer's KV
+        self.kv_token_bytes = token_bytes([*attn_backend.kv_pool.k, *attn_backend.kv_pool.v])
         self.cuda = device.startswith("cuda")
         eager_only = getattr(model, "eager_only", None)
         if eager_only:  # nothing captured: every batch runs eagerly
