@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install serve test lint bench soak clean
+.PHONY: install serve test test-fast lint bench soak clean
 
 install: $(VENV)/.installed
 
@@ -18,8 +18,13 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/kiln serve
 
+# every layer (tests/layers.py); two workers, a test file each at a time
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -n 2 --dist loadfile
+
+# the unit layer alone, for the edit-test loop
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider -m unit -n 2 --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check kiln tests benchmarks

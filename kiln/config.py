@@ -206,7 +206,9 @@ class ServerArgs:
         "Kiln chooses",
         choices=["triton", "torch_native", "intel_amx"],
     )
-    num_threads: int | None = _f(None, "torch CPU threads (default: all cores)")
+    num_threads: int | None = _f(
+        None, "torch CPU threads (default: OMP_NUM_THREADS where set, else all cores)"
+    )
     disable_weight_prepack: bool = _f(
         False,
         "CPU: keep linear weights in their plain layout (F.linear) instead of a prepacked one (Kiln's or oneDNN's)",

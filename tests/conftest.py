@@ -12,14 +12,47 @@ import time
 from pathlib import Path
 
 import httpx
+import layers
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread in every test process and in every engine and server they start (Kiln's --num-threads default
+# reads OMP_NUM_THREADS): `make test` runs two pytest workers on two cores, and a second thread per process only
+# spins against the other worker (a default-model decode beside one busy process: ~15x slower with two threads)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(
+    int(os.environ["OMP_NUM_THREADS"])
+)  # torch read the variable at import, before it was set
 # Triton picks its interpreter when first imported, and importing a transformers model class imports it: without a
 # GPU, Kiln's Triton kernels (tests/test_triton_attention.py) run in the interpreter, so it is chosen here first
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    layers.configure(config)
+    layers.install_guards()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    layers.check_collected(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    yield from layers.track(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    yield from layers.track(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item):
+    yield from layers.track(item)
+
 
 _TINY_SHAPE = dict(
     hidden_size=64,

@@ -199,7 +199,7 @@ class EngineEquality:
         finally:
             eng.shutdown()
 
-    @pytest.mark.slow
+    @pytest.mark.server
     def test_over_http(self, model_path: str, ref: Reference, tmp_path: Path) -> None:
         args = ["--model-path", model_path, "--max-total-tokens", "8192", "--num-threads", "1"]
         srv = ServerProcess([*args, "--chunked-prefill-size", "128"], tmp_path / "serve.log")

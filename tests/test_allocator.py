@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.req_to_token import ReqToTokenPool
 
+pytestmark = pytest.mark.unit
+
 
 def _check_layout(slots: list[int], page_size: int) -> None:
     """Token i sits at offset i % page_size of its page, and tokens of one page share it."""

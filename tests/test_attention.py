@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kiln.core.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
@@ -13,6 +14,8 @@ from kiln.memory.kv_pool import KVPool
 from kiln.runner.attention import TorchSdpaBackend, torch_sdpa
 from kiln.runner.graph_backends import CUDA_SHARED_GATHER_LIMIT, CompiledDecode, CudaGraphDecode
 from kiln.runner.graph_runner import shared_kv_runs_eagerly
+
+pytestmark = pytest.mark.unit
 
 HQ, HK, D = 6, 2, 16
 

@@ -15,6 +15,8 @@ from kiln.runner import graph_runner
 from kiln.scheduler.spec_step import SpecDecoder
 from kiln.speculative.ngram import NgramDrafter
 
+pytestmark = pytest.mark.engine
+
 if not cpu_runs_kiln_kernel():
     pytest.skip("integer compute needs Kiln's CPU kernels (AVX2)", allow_module_level=True)
 

@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.bench.metrics import RequestRecord, compute_metrics, format_result, peak_output_throughput
 
+pytestmark = pytest.mark.unit
+
 
 def _rec(start, chunks, end, out, prompt=10, cached=None, success=True, error=""):
     return RequestRecord(

@@ -14,7 +14,7 @@ from kiln.bench.cli import main as bench_main
 from kiln.bench.metrics import LATENCY_METRICS, LATENCY_STATS
 from kiln.bench.serve import RECORD_ARGS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.server
 
 COUNTERS = {
     "prompt": "kiln:prompt_tokens_total",

@@ -10,6 +10,8 @@ import pytest
 
 from kiln.bench import workloads as w
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -128,7 +130,6 @@ def test_fit_to_tokens(tok):
         w.fit_to_tokens(tok, "cat", 50)
 
 
-@pytest.mark.slow
 def test_default_model_tokenizer():
     """The shipped GGUF's tokenizer: exact lengths and shared prefixes hold there too (~8 s to load)."""
     tok = w.load_tokenizer(None)

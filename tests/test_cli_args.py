@@ -17,6 +17,8 @@ import pytest
 import kiln.wait as kiln_wait
 from kiln.cli import build_parser
 
+pytestmark = [pytest.mark.server, pytest.mark.server]
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -62,11 +64,15 @@ def _refused(argv: list[str], capsys) -> str:
         (["bench", "serve", "--base-url", "foo"], "--base-url"),
     ],
 )
+@pytest.mark.unit
+@pytest.mark.unit
 def test_nonsense_numbers_are_refused_naming_the_flag(argv, flag, capsys):
     err = _refused(argv, capsys)
     assert f"error: argument {flag}: must be" in err, err
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_the_range_is_named():
     from kiln.core.argtypes import fraction, positive_int
 
@@ -77,6 +83,8 @@ def test_the_range_is_named():
 
 
 @pytest.mark.parametrize("kind", ["input", "output"])
+@pytest.mark.unit
+@pytest.mark.unit
 def test_min_above_max_is_refused_naming_both_flags(kind, capsys):
     err = _refused(["bench", "offline", f"--min-{kind}-len", "50", f"--max-{kind}-len", "8"], capsys)
     assert f"error: --min-{kind}-len (50) must not exceed --max-{kind}-len (8)" in err, err
@@ -109,6 +117,8 @@ def test_sensible_values_still_parse():
     assert build_parser().parse_args(["wait", "--timeout", "0.5"]).timeout == 0.5
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_readme_documents_exit_2_for_bad_arguments_too():
     (line,) = [s for s in README.read_text().splitlines() if s.startswith("kiln wait ")]
     assert "2 timeout or bad args" in line, line
@@ -180,6 +190,8 @@ def status_server():
         srv.server_close()
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_wait_logs_one_line_per_phase_without_a_terminal(status_server, capsys):
     script, url = status_server(_phases())
     assert kiln_wait.wait(url, timeout=30, interval=0.01) == 0
@@ -197,6 +209,8 @@ def test_wait_logs_one_line_per_phase_without_a_terminal(status_server, capsys):
     assert "is ready after 1.5 s" in out
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_wait_logs_changing_progress_again_after_the_interval(status_server, capsys, monkeypatch):
     monkeypatch.setattr(kiln_wait, "LOG_EVERY_S", 0.0)
     _, url = status_server(_phases())
@@ -205,6 +219,8 @@ def test_wait_logs_changing_progress_again_after_the_interval(status_server, cap
     assert err.count("building_kernels") == 6 and err.count("loading_weights") == 2, err
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_wait_draws_the_bar_on_a_terminal(status_server, monkeypatch):
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -229,6 +245,8 @@ def _refusing_port() -> tuple[socket.socket, int]:
     pytest.skip("no free port in 31300-31399")
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_wait_timeout_before_any_phase_says_so(capsys):
     sock, port = _refusing_port()
     with sock:
@@ -239,18 +257,24 @@ def test_wait_timeout_before_any_phase_says_so(capsys):
     assert err.count("not answering yet") == 1  # logged once, not once per poll
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_wait_timeout_names_the_last_phase(status_server, capsys):
     _, url = status_server([{"phase": "loading_weights"}])
     assert kiln_wait.wait(url, timeout=0.3, interval=0.05) == 2
     assert "(last phase: loading_weights)" in capsys.readouterr().err
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_wait_on_a_server_shutting_down_exits_1_at_once(status_server, capsys):
     _, url = status_server([{"phase": "loading_weights"}, {"phase": "shutting_down"}])
     assert kiln_wait.wait(url, timeout=30, interval=0.01) == 1
     assert "is shutting down" in capsys.readouterr().err
 
 
+@pytest.mark.unit
+@pytest.mark.unit
 def test_wait_reads_a_routers_health_where_there_is_no_status(capsys):
     """`kiln serve --dp-size N` answers through sglang-router, which has /health but no /status: ready is its
     /health's 200 (it waited forever, counting 404s as "not answering")."""
@@ -292,3 +316,20 @@ def test_bench_serve_against_no_server_is_one_line_and_exit_1(capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "kiln bench serve: error: warm-up request to http://127.0.0.1:9" in err and "Traceback" not in err
+
+
+@pytest.mark.unit
+@pytest.mark.unit
+def test_num_threads_defaults_to_omp_num_threads_then_every_core(monkeypatch):
+    import os
+
+    from kiln.platform import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(None) == 3 and cpu_threads(2) == 2  # --num-threads wins over the variable
+    for unset in ("", "0", "four"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert cpu_threads(None) == cores
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert cpu_threads(None) == cores

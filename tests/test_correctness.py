@@ -21,6 +21,8 @@ from kiln.core.forward_batch import ForwardMode
 from kiln.loader.weights import load_model
 from kiln.runner import model_runner
 
+pytestmark = pytest.mark.engine
+
 NEW_TOKENS = 8
 # 22 prompts of 1 .. 2000 tokens; most short, two long
 PROMPT_LENS = [1, 2, 3, 5, 8, 12, 17, 24, 32, 40, 50, 64, 77, 100, 128, 150, 200, 256, 333, 400, 1000, 2000]

@@ -15,6 +15,8 @@ from kiln.layers.cpu_gemm import cpu_decode_attention, has_cpu_decode_attention
 from kiln.memory.kv_pool import KVPool
 from kiln.runner.attention import CpuKernelBackend, TorchSdpaBackend, common_prefix, make_attention_backend
 
+pytestmark = pytest.mark.unit
+
 HQ, HK, D = 9, 3, 64
 POOL = KVPool(4096, 1, 1, HK, D, torch.float32)
 if not has_cpu_decode_attention(POOL.k[0]):

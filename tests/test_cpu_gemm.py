@@ -9,6 +9,7 @@ import functools
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,7 +20,10 @@ from kiln.layers import cpu_gemm
 from kiln.loader.model_config import load_model_config
 from kiln.loader.weights import load_model
 
-pytestmark = pytest.mark.skipif(cpu_gemm.prepack(torch.zeros(16, 8)) is None, reason="no CPU prepacking here")
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(cpu_gemm.prepack(torch.zeros(16, 8)) is None, reason="no CPU prepacking here"),
+]
 AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
@@ -38,6 +42,7 @@ def is_packed(w: torch.Tensor) -> bool:
     return w.is_mkldnn or w.dim() == 3
 
 
+@pytest.mark.unit
 def test_kernel_builds_where_the_cpu_has_avx2():
     assert (cpu_gemm.blocked_kernel() is not None) == AVX2
     assert cpu_gemm.packed_layout_name() == ("Kiln's blocked" if AVX2 else "oneDNN's")
@@ -51,6 +56,7 @@ LOAD_KERNEL = (
 
 
 @pytest.mark.skipif(not AVX2, reason="Kiln's CPU kernel needs AVX2 and FMA")
+@pytest.mark.unit
 def test_a_build_lock_left_by_a_killed_build_is_removed():
     """torch's `lock` file in the kernel's build directory, as a process killed mid-build leaves it: the next start
     removes it and loads the kernel instead of waiting on it forever. A second start while one holds Kiln's own
@@ -65,10 +71,18 @@ def test_a_build_lock_left_by_a_killed_build_is_removed():
         with open(os.path.join(directory, "kiln.flock"), "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)  # another Kiln process building
             start = subprocess.Popen([sys.executable, "-c", LOAD_KERNEL], stderr=subprocess.PIPE, text=True)
-            time.sleep(8)
-            assert start.poll() is None, start.stderr.read()  # waits for the holder, not on torch's lock
+            said: list[str] = []
+            reader = threading.Thread(target=lambda: said.extend(start.stderr), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + 120
+            while not any("Waiting for another Kiln process" in line for line in said):
+                assert start.poll() is None and time.monotonic() < deadline, "".join(said)
+                time.sleep(0.05)
+            assert start.poll() is None, "".join(said)  # waits for the holder, not on torch's lock
             assert os.path.exists(stale)
-        _, err = start.communicate(timeout=120)
+        start.wait(120)
+        reader.join(10)
+        err = "".join(said)
         assert start.returncode == 0, err
         assert "Waiting for another Kiln process" in err and "killed before it finished" in err
         assert not os.path.exists(stale)
@@ -80,6 +94,7 @@ def test_a_build_lock_left_by_a_killed_build_is_removed():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 64, 300])
+@pytest.mark.unit
 def test_packed_linear_matches_f_linear(layout, rows):
     """Every row remainder of the kernel's 4-row tiles, an input width that is not a multiple of a vector, and a
     bias; a 3-D input keeps its leading dims."""
@@ -94,6 +109,7 @@ def test_packed_linear_matches_f_linear(layout, rows):
     torch.testing.assert_close(cpu_gemm.linear(x3, packed, None, packed=True), F.linear(x3, w))
 
 
+@pytest.mark.unit
 def test_output_width_off_the_block_uses_onednn(layout):
     """Kiln's layout needs the output features in blocks of 16; other weights take oneDNN's."""
     w, x = torch.randn(100, 24), torch.randn(3, 24)
@@ -102,6 +118,7 @@ def test_output_width_off_the_block_uses_onednn(layout):
     torch.testing.assert_close(cpu_gemm.linear(x, packed, None, packed=True), F.linear(x, w))
 
 
+@pytest.mark.unit
 def test_only_float32_on_cpu_is_packed():
     assert cpu_gemm.prepack(torch.zeros(8, 8, dtype=torch.bfloat16)) is None
     assert cpu_gemm.prepack(torch.zeros(8, 8, device="meta")) is None
@@ -144,6 +161,7 @@ def test_prepacking_reports_progress_to_the_startup_watchdog(tiny_llama, monkeyp
     assert packed and packed == sorted(packed) and packed[-1] >= loaded.prepacked_weights // 4
 
 
+@pytest.mark.unit
 def test_packed_linear_under_torch_compile(layout):
     """A compiled step keeps the packed matmul as one op (inductor would otherwise lower it to an `mm` that
     cannot read the packed layout and fail at run time)."""

@@ -14,6 +14,8 @@ from kiln.config import ServerArgs
 from kiln.layers import cpu_gemm
 from kiln.platform import CPU_GEMM_MODES, gguf_block_types, gguf_blocks_expected, integer_compute
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def default_mode():

@@ -32,7 +32,11 @@ BS = (1, 2, 4)  # on CUDA verify and catch-up shapes stay within 4 rows: 1 reque
 PREFILL = (4, 16)  # a draft model's catch-up extends: 3 tokens in 4, a batch of 4 x 3 in 16
 GRAPHS = dict(ARGS, device=DEVICE, dtype="float32", cuda_graph_bs=BS, cuda_graph_bs_prefill=PREFILL)
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 def outputs(eng: kiln.Engine) -> list[list[int]]:
@@ -122,6 +126,7 @@ def run_evicting(tiny_llama: str, **tier) -> tuple[list[list[int]], int, dict]:
         eng.shutdown()
 
 
+@pytest.mark.unit
 def test_an_evicted_prefix_comes_back_from_pinned_host_memory(tiny_llama) -> None:
     plain_ids, plain_cached, _ = run_evicting(tiny_llama)
     tier_ids, tier_cached, host = run_evicting(tiny_llama, enable_hierarchical_cache=True, hicache_ratio=4.0)
@@ -138,6 +143,7 @@ def _busy_gpu() -> None:
     torch.cuda._sleep(int(2e9))
 
 
+@pytest.mark.unit
 def test_tier_copies_run_beside_the_compute_stream() -> None:
     torch.manual_seed(0)
     tokens, n = 4096, 2048

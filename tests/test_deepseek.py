@@ -33,6 +33,8 @@ from kiln.loader import fp8
 from kiln.memory.kv_pool import LatentKVPool
 from kiln.runner.attention import MlaBackend
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
@@ -136,6 +138,7 @@ def _attention_steps(cfg, hf_attn, xs: list[torch.Tensor]) -> list[torch.Tensor]
     return outs
 
 
+@pytest.mark.unit
 def test_two_tensor_parallel_ranks_split_the_heads_and_sum_to_one_rank(monkeypatch) -> None:
     """tp 2 simulated: each rank holds half the heads of q_b_proj, kv_b_proj and o_proj and the whole
     replicated down-projections; the latent pool is the same on both. The ranks' partial outputs summed (the
@@ -167,6 +170,7 @@ def test_two_tensor_parallel_ranks_split_the_heads_and_sum_to_one_rank(monkeypat
 # ---------------------------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.unit
 def test_kimi_k2_is_the_deepseek_v3_architecture() -> None:
     from kiln.models.config import ModelConfig
     from kiln.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -200,6 +204,7 @@ def test_unimplemented_features_are_refused_at_startup(tmp_path: Path, field: st
 # ---------------------------------------------------------------------------------------------- FP8
 
 
+@pytest.mark.unit
 def test_fp8_block_dequantization_matches_the_definition() -> None:
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(70, 45, generator=gen)
@@ -210,6 +215,7 @@ def test_fp8_block_dequantization_matches_the_definition() -> None:
     assert (got - w).abs().max() < 0.1 * w.abs().max()  # e4m3 keeps about two significant digits
 
 
+@pytest.mark.unit
 def test_fp8_stream_pairs_weights_with_scales_in_any_order() -> None:
     q, scale = quantize_blocks(torch.randn(20, 20), 16)
     stream = [("a.weight_scale_inv", scale), ("b.bias", torch.ones(3)), ("a.weight", q)]
@@ -219,6 +225,7 @@ def test_fp8_stream_pairs_weights_with_scales_in_any_order() -> None:
         list(fp8.block_stream(iter([("c.weight", q)]), (16, 16)))
 
 
+@pytest.mark.unit
 def test_fp8_config_is_checked() -> None:
     assert fp8.block_size({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}) == (
         128,

@@ -13,6 +13,8 @@ from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.req import Req
 from kiln.text.detokenizer import IncrementalDetokenizer, find_stop, stop_prefix_len
 
+pytestmark = pytest.mark.unit
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FRAGMENTS = [
     "Hello", " world", ",", " the", " naïve", " café", " résumé", " 日本語", "中文", "한국어", " 🎉", "🙂",

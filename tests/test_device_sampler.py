@@ -13,6 +13,8 @@ from kiln.runner.device_sampler import PendingSample, SamplingBatch, sample_on_d
 from kiln.runner.sampler import SamplingRow, sample, target_probs
 from kiln.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V = 5000  # wide enough for the sampler's two-level draw
 

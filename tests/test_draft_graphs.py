@@ -22,6 +22,8 @@ from kiln.runner import graph_runner
 from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode
 from kiln.runner.graph_runner import verify_rows
 
+pytestmark = pytest.mark.engine
+
 NEW_TOKENS = 10
 STEPS = 2  # EAGLE drafts a chain of 2: 3 verify rows per request, one draft decode step after the catch-up
 ARGS = dict(max_total_tokens=4096, max_running_requests=4, num_threads=1)
@@ -30,6 +32,7 @@ SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=STEPS)
 LONG_PROMPTS = sum(len(p) > STEPS + 1 for p in PROMPTS)
 
 
+@pytest.mark.unit
 def test_verify_shapes_are_the_batch_sizes_times_the_draft_tokens() -> None:
     assert verify_rows([1, 2, 4], 3) == [3, 6, 12]
     assert verify_rows([1, 2, 4], 2) == [8]  # 2 and 4 rows are decode shapes already
@@ -37,6 +40,7 @@ def test_verify_shapes_are_the_batch_sizes_times_the_draft_tokens() -> None:
     assert verify_rows([1, 2, 4, 8], 3, most=8) == [3, 6]  # CUDA: within the largest decode graph's rows
 
 
+@pytest.mark.unit
 def test_a_heads_catch_up_shapes_are_sized_by_their_requests() -> None:
     """A catch-up shape holds num_steps + 1 rows per request and computes logits at one row per request: a batch
     takes the shape of its requests (4 catch-ups of 1 token each need the 12-row shape), its logits rows go in
@@ -72,6 +76,7 @@ def paths(tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.unit
 def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) -> None:
     """`kiln plan` and serve reserve for the graphs speculation adds: the target's verify shapes (on CUDA those
     within the largest decode graph's rows), the draft's decode steps and a head's catch-ups (each size x
@@ -133,6 +138,7 @@ def draft_graph_bytes(config: dict, rows: int, logits_rows: int) -> int:
     return 2 * logits_rows * config["vocab_size"] * 4 + rows * width * kv_row
 
 
+@pytest.mark.unit
 def test_the_ledger_counts_a_heads_guess_slots(paths) -> None:
     """An EAGLE head's pool mirrors the target's slots (counted per token with the pool) and holds every running
     request's guesses above them: topk x (steps + 1) slots of the head's KV each, a line the headroom pays for. A

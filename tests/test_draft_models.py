@@ -27,6 +27,8 @@ from kiln.speculative.draft_model import (
 from kiln.speculative.eagle import attach_target, build_eagle_drafter
 from kiln.speculative.head_kv import target_pool_rows
 
+pytestmark = pytest.mark.engine
+
 CONTEXT, RUNNING, POOL = 512, 4, 4096
 PROMPTS = [[1, 450, 3681, 310, 3444, 338], [1, 22, 22, 22, 22, 22, 22, 22, 22, 22], [1, 9038, 2501]]
 NEW_TOKENS = 12
@@ -200,6 +202,7 @@ def test_standalone_accept_length_with_itself(target, plain) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- vocabulary
+@pytest.mark.unit
 def test_other_vocabulary_is_refused_naming_both(target_dir: Path) -> None:
     from kiln.text.tokenizer import load_tokenizer
 

@@ -25,6 +25,8 @@ from kiln.speculative.draft_model import StandaloneDrafter, _Branches, _CatchUp,
 from kiln.speculative.eagle import EagleDrafter, build_eagle_drafter
 from kiln.speculative.head_kv import target_pool_rows
 
+pytestmark = pytest.mark.engine
+
 TOPK, STEPS = 3, 3
 deepseek_dir = test_draft_models.deepseek_dir  # the fixture: a tiny DeepSeek-V3 with its MTP layer
 TOLERANCE = 1e-4  # log-probability: a branch's rows are decode rows, the reference's an extend
@@ -69,6 +71,7 @@ def likeliest(count: int, rows: int, generator: torch.Generator) -> tuple[torch.
 @pytest.mark.parametrize(
     "steps, topk, num_draft_tokens", [(3, 2, 6), (5, 4, 8), (4, 3, 12), (1, 3, 3), (2, 4, 21)]
 )
+@pytest.mark.unit
 def test_selection_follows_sglang(steps: int, topk: int, num_draft_tokens: int) -> None:
     generator = torch.Generator().manual_seed(steps * 10 + topk)
     for _ in range(5):
@@ -81,6 +84,7 @@ def test_selection_follows_sglang(steps: int, topk: int, num_draft_tokens: int) 
         assert max(tree.depth(n) for n in range(len(tree))) <= steps
 
 
+@pytest.mark.unit
 def test_selection_keeps_ancestors_on_ties() -> None:
     """Children as likely as their parent (probability 1) and equal branches: the tree still holds every chosen
     node's parent, and a parent comes before its children."""
@@ -215,6 +219,7 @@ def test_a_short_pool_gives_a_smaller_tree(draft: ModelRunner) -> None:
     assert_idle(draft)
 
 
+@pytest.mark.unit
 def test_branch_rows_and_pool() -> None:
     """A branch row: its request's first columns then its own path's slots; the pool holds every branch."""
     from kiln.memory.req_to_token import ReqToTokenPool
@@ -288,6 +293,7 @@ def test_eagle_tree_branches_read_their_own_features(eagle3: bool, eagle_target,
     )
 
 
+@pytest.mark.unit
 def test_nextn_tree_branches_read_their_own_features(deepseek_dir: Path) -> None:
     """The MTP layer as a head: latent attention over each branch's own table row."""
     from kiln.speculative.nextn import build_nextn_drafter

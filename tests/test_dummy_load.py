@@ -16,6 +16,8 @@ from kiln.loader.model_config import load_model_config
 from kiln.loader.weights import load_model
 from kiln.memory.model_shapes import weight_bytes
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def config_only(tiny_llama, tmp_path_factory) -> str:

@@ -27,6 +27,8 @@ import kiln
 from kiln.layers import fp8_linear
 from kiln.layers.triton_fp8 import expert_blocks, fp8_block_linear, fp8_grouped_linear, group_rows
 
+pytestmark = pytest.mark.engine
+
 pytest.importorskip("triton")
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # natively on a GPU (benchmarks/cuda/cuda_checks.sh)
@@ -58,6 +60,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block", [16, 128])
 @pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.unit
 def test_the_kernel_multiplies_the_weight_its_blocks_hold(dtype, block, rows):
     """Both dimensions end in a part block; 70 rows are two tiles of 64 in half precision, five of 16 in float32."""
     n, k = 3 * block - 5, 2 * block + 3
@@ -70,6 +73,7 @@ def test_the_kernel_multiplies_the_weight_its_blocks_hold(dtype, block, rows):
     )
 
 
+@pytest.mark.unit
 def test_a_batch_of_sequences_a_strided_input_and_a_bias():
     weight, scale, value = _weight(40, 48, 16, seed=1)
     wide = torch.randn(2, 3, 64)
@@ -82,6 +86,7 @@ def test_a_batch_of_sequences_a_strided_input_and_a_bias():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.unit
 def test_grouped_rows_take_their_own_experts_weight(dtype):
     """Rows sorted by expert: an expert with none, one with more rows than a tile (float32's tiles are 16), and
     rows of another rank's experts (ids >= E), which stay zero."""
@@ -102,6 +107,7 @@ def test_grouped_rows_take_their_own_experts_weight(dtype):
     assert not got[ids >= experts].any()
 
 
+@pytest.mark.unit
 def test_expert_blocks_cover_each_experts_rows_once():
     ids = torch.tensor([0, 0, 2, 2, 2, 2, 2, 4, 9, 9])
     expert, first, count = expert_blocks(ids, 5, 2)
@@ -153,6 +159,7 @@ def _checkpoint_tensor(rows: int, cols: int, block: int) -> torch.Tensor:
     return q
 
 
+@pytest.mark.unit
 def test_a_shard_that_cuts_a_block_is_refused_with_the_numbers():
     from kiln.layers.linear import ColumnParallelLinear
 
@@ -167,6 +174,7 @@ def test_a_shard_that_cuts_a_block_is_refused_with_the_numbers():
     assert not layer.weight_scale_inv.isnan().any()
 
 
+@pytest.mark.unit
 def test_an_unquantized_tensor_for_an_fp8_weight_is_refused_and_an_unloaded_one_found():
     from kiln.layers.linear import RowParallelLinear
 
@@ -179,6 +187,7 @@ def test_an_unquantized_tensor_for_an_fp8_weight_is_refused_and_an_unloaded_one_
     fp8_linear.check_blocks_loaded(layer)
 
 
+@pytest.mark.unit
 def test_where_fp8_weights_are_kept(monkeypatch):
     from kiln import platform
     from kiln.core.envs import EnvError
@@ -196,6 +205,7 @@ def test_where_fp8_weights_are_kept(monkeypatch):
         platform.fp8_weights_kept("cpu")
 
 
+@pytest.mark.unit
 def test_two_ranks_hold_their_shards_of_the_values_and_the_factors(monkeypatch):
     """tp 2 simulated: column-parallel halves concatenated, and row-parallel and expert partial sums added (the
     all-reduce), equal the products with the whole dequantized weights; the up rows of each expert's gate_up sit
@@ -243,6 +253,7 @@ def test_two_ranks_hold_their_shards_of_the_values_and_the_factors(monkeypatch):
     torch.testing.assert_close(routed[0] + routed[1], want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.unit
 def test_a_tp_size_that_cuts_the_fp8_blocks_is_refused_before_launch(monkeypatch):
     """Qwen3-30B-A3B-FP8 at tp 8: each rank's 96 of an expert's 768 intermediate rows cut the 128-row blocks
     (SGLang refuses it too). Whole experts per rank (--ep-size 8) or the weights dequantized serve it."""
@@ -273,6 +284,7 @@ def test_a_tp_size_that_cuts_the_fp8_blocks_is_refused_before_launch(monkeypatch
     assert tp_refusal(args, config) is None
 
 
+@pytest.mark.unit
 def test_kiln_plan_refuses_it_too(monkeypatch, model_dir, capsys):
     from test_ledger import QWEN3_30B_A3B
 
@@ -289,6 +301,7 @@ def test_kiln_plan_refuses_it_too(monkeypatch, model_dir, capsys):
     assert plan.main([*argv, "--tp-size", "2"]) == 0  # 384 rows a rank: three blocks
 
 
+@pytest.mark.unit
 def test_a_cast_that_would_drop_or_saturate_fp8_is_refused():
     """A tensor bound for an FP8 weight must bring its block factors, and an fp8 tensor bound for another dtype
     must have them to be dequantized: a plain cast would read the weight as noise."""
@@ -302,6 +315,7 @@ def test_a_cast_that_would_drop_or_saturate_fp8_is_refused():
     assert torch.equal(fp8_linear.as_dtype(held, torch.float32), want)
 
 
+@pytest.mark.unit
 def test_replicated_kv_heads_take_their_heads_blocks(monkeypatch):
     """tp 4 over 2 KV heads: ranks 0 and 1 hold KV head 0, ranks 2 and 3 head 1, each its own query head; each
     rank's q, k and v rows and their factors sit a block apart in the merged weight."""
@@ -324,6 +338,7 @@ def test_replicated_kv_heads_take_their_heads_blocks(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.unit
 def test_fp8_experts_replay_in_a_cuda_graph_without_a_host_sync(monkeypatch):
     """The routed experts in FP8 are captured and replayed (new routing each replay) under torch's sync check,
     giving the eager product."""
@@ -378,6 +393,7 @@ def test_a_qwen3_next_fp8_checkpoint_matches_transformers(tmp_path: Path, monkey
         eng.shutdown()
 
 
+@pytest.mark.unit
 def test_the_attention_parts_a_rank_holds_must_be_whole_blocks_too():
     """Merged q / k / v rows start each part on a block; a KV head of 64 rows per rank cuts one. DeepSeek-V3's
     latent attention holds whole blocks a rank at tp 32, where its MLPs' 576 and experts' 64 rows a rank do not."""

@@ -20,6 +20,8 @@ from kiln.loader.gguf_loader import iter_gguf_tensors, read_gguf_config
 from kiln.loader.gguf_tokenizer import load_gguf_tokenizer
 from kiln.loader.kept_dirs import is_kept
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------- the default model vs transformers
 
 
@@ -62,7 +64,7 @@ def test_read_gguf_config_is_fast_and_metadata_only(model_path: str) -> None:
     assert info["file_type_name"] == "MOSTLY_Q4_1"
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_config_matches_transformers(model_path: str, hf_model) -> None:
     ours, theirs = read_gguf_config(model_path), hf_model.config
     for key in (
@@ -86,7 +88,7 @@ def test_config_matches_transformers(model_path: str, hf_model) -> None:
     assert ours["rope_theta"] == rope["rope_theta"]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_tensors_equal_transformers_state_dict(model_path: str, hf_model) -> None:
     expected = hf_model.state_dict()
     seen = set()

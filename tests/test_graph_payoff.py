@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kiln.runner.graph_payoff import FILE_NAME, PayoffStore
+
+pytestmark = pytest.mark.unit
 
 
 def _model(width: int = 4) -> torch.nn.Module:

@@ -32,11 +32,14 @@ from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import GenerateReq
 from kiln.scheduler.overlap import ForwardThread
 
+pytestmark = pytest.mark.server
+
 CAPTURED = (1, 2, 4)
 PREFILL = (16, 32, 64)  # token counts
 
 
 # ---------------------------------------------------------------------------------------------- shapes
+@pytest.mark.unit
 def test_decode_batch_sizes_follow_sglang():
     assert decode_graph_batch_sizes(8) == [1, 2, 4, 8]
     assert decode_graph_batch_sizes(24) == [1, 2, 4, 8, 12, 16, 24]
@@ -44,6 +47,7 @@ def test_decode_batch_sizes_follow_sglang():
     assert len(decode_graph_batch_sizes(256)) == 36 and len(decode_graph_batch_sizes(512)) == 52
 
 
+@pytest.mark.unit
 def test_prefill_token_sizes_and_padding_cap():
     assert [len(prefill_graph_token_sizes(n)) for n in (4096, 8192, 16384)] == [50, 58, 74]
     sizes = prefill_graph_token_sizes(4096)
@@ -66,6 +70,7 @@ def _ledger(**kw):
     )
 
 
+@pytest.mark.unit
 def test_ledger_plans_the_captured_sizes_and_their_reserve():
     assert _ledger().graph_batch_sizes == () and _ledger().graph_reserve_bytes == 0  # the CPU default: none
     led = _ledger(cuda_graph_max_bs=8)
@@ -86,6 +91,7 @@ def test_ledger_plans_the_captured_sizes_and_their_reserve():
     assert off.headroom_bytes - led.headroom_bytes == led.graph_reserve_bytes
 
 
+@pytest.mark.unit
 def test_padding_rows_write_and_read_only_the_padding_slot():
     table = torch.tensor([[5, 6, 7], [8, 9, 0]])
     mask = torch.tensor([[True, True, True], [True, True, False]]).view(2, 1, 1, 3)

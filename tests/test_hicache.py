@@ -25,6 +25,8 @@ from kiln.memory.host_pool import HostKVPool
 from kiln.memory.kv_pool import KVPool
 from kiln.memory.storage_tier import FileStorageTier, model_fingerprint
 
+pytestmark = pytest.mark.engine
+
 BLOCK = 4  # storage block tokens in these tests
 
 
@@ -96,6 +98,7 @@ class Harness:
 
 
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
+@pytest.mark.unit
 def test_an_evicted_prefix_comes_back_from_the_host_with_its_kv(policy: str) -> None:
     h = Harness(policy)
     key = list(range(100, 116))
@@ -112,6 +115,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_its_kv(policy: str) -> 
     h.check_accounting()
 
 
+@pytest.mark.unit
 def test_a_prefix_whose_copy_to_the_host_is_still_in_flight_comes_back_with_its_kv() -> None:
     h = Harness("write_back", device_tokens=16)
     copies = hold_copies(h.host.copies)
@@ -125,6 +129,7 @@ def test_a_prefix_whose_copy_to_the_host_is_still_in_flight_comes_back_with_its_
     h.check_accounting()
 
 
+@pytest.mark.unit
 def test_eviction_fences_the_copies_before_its_slots_are_reused() -> None:
     """On CUDA a store's gathers run on the copy stream: the slots an eviction frees must not be written by the
     next step before they are read (a no-op on the CPU, where the gather is done when issued)."""
@@ -137,6 +142,7 @@ def test_eviction_fences_the_copies_before_its_slots_are_reused() -> None:
     assert fences == [12]
 
 
+@pytest.mark.unit
 def test_without_a_host_copy_selective_eviction_drops_the_prefix() -> None:
     h = Harness("write_through_selective")
     key = list(range(16))
@@ -146,6 +152,7 @@ def test_without_a_host_copy_selective_eviction_drops_the_prefix() -> None:
     h.check_accounting()
 
 
+@pytest.mark.unit
 def test_a_full_host_tier_keeps_the_most_recent_prefixes() -> None:
     h = Harness("write_back", device_tokens=16, host_tokens=16)
     old, new = list(range(0, 12)), list(range(50, 62))
@@ -159,6 +166,7 @@ def test_a_full_host_tier_keeps_the_most_recent_prefixes() -> None:
     h.check_rows(new, match.indices)
 
 
+@pytest.mark.unit
 def test_a_locked_prefix_never_leaves_the_device() -> None:
     h = Harness("write_back", device_tokens=16)
     key = list(range(12))
@@ -187,6 +195,7 @@ def test_a_locked_prefix_never_leaves_the_device() -> None:
         max_size=25,
     ),
 )
+@pytest.mark.unit
 def test_random_programs_keep_kv_and_accounting(
     policy: str, page: int, storage: bool, slow_copies: bool, program
 ) -> None:
@@ -229,6 +238,7 @@ def _stored_then_restarted(tmp_path: Path, key: list[int]) -> Harness:
     return Harness("write_through", storage_dir=tmp_path)  # a restart: empty tiers, the same files
 
 
+@pytest.mark.unit
 def test_a_restarted_cache_hits_the_stored_blocks(tmp_path: Path) -> None:
     key = list(range(300, 314))  # three whole blocks of 4, and 2 tokens no block holds
     h = _stored_then_restarted(tmp_path, key)
@@ -240,6 +250,7 @@ def test_a_restarted_cache_hits_the_stored_blocks(tmp_path: Path) -> None:
     assert torch.equal(again.indices, match.indices) and h.cache.storage.hit_tokens == 12
 
 
+@pytest.mark.unit
 def test_a_partial_tree_hit_continues_from_storage(tmp_path: Path) -> None:
     key = list(range(300, 314))
     h = _stored_then_restarted(tmp_path, key)
@@ -263,6 +274,7 @@ def _corrupt_second_block(tmp_path: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "foreign"])
+@pytest.mark.unit
 def test_a_bad_file_is_skipped_with_a_warning(tmp_path: Path, caplog, how: str) -> None:
     key = list(range(300, 312))
     first = Harness("write_through", storage_dir=tmp_path)
@@ -292,6 +304,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.unit
 def test_a_kill_mid_write_leaves_nothing_a_start_reads(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -335,6 +348,7 @@ def _run(model: str, **tier) -> tuple[list[list[int]], list[int], object]:
         eng.shutdown()
 
 
+@pytest.mark.engine
 def test_the_engine_serves_an_evicted_prefix_from_the_host_tier(tiny_llama: str) -> None:
     plain_ids, plain_cached, _ = _run(tiny_llama)
     tier_ids, tier_cached, cache = _run(tiny_llama, enable_hierarchical_cache=True, hicache_ratio=4.0)
@@ -374,6 +388,7 @@ def test_a_restarted_engine_serves_a_prefix_from_storage(tiny_llama: str, tmp_pa
     assert damaged_ids == cold_ids and damaged_cached == 0
 
 
+@pytest.mark.unit
 def test_plan_shows_the_tiers(tiny_llama: str, tmp_path: Path, capsys) -> None:
     import json
 

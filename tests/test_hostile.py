@@ -21,6 +21,8 @@ from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam
 from kiln.server.bodies import MAX_JSON_DEPTH, decode_json, json_depth_exceeds
 
+pytestmark = pytest.mark.server
+
 CMPL, CHAT, GEN, ABORT = "/v1/completions", "/v1/chat/completions", "/generate", "/abort_request"
 BODY_ROUTES = [CMPL, CHAT, GEN, ABORT]
 READ_TIMEOUT = 10  # --request-read-timeout of the server below
@@ -30,6 +32,7 @@ IN_FLIGHT = 8  # --max-running-requests 4 + --max-queued-requests 4
 
 
 # ---------------------------------------------------------------------------------------------- no server
+@pytest.mark.unit
 def test_depth_is_counted_outside_strings_without_recursion():
     assert json_depth_exceeds("[" * 100_000 + "]" * 100_000, MAX_JSON_DEPTH)
     assert not json_depth_exceeds(json.dumps({"a": "[[[[[[[[[[" * 100, "b": [[1], {"c": "]]"}]}), 3)
@@ -47,18 +50,21 @@ def test_depth_is_counted_outside_strings_without_recursion():
         (b'{"prompt": ', "malformed"),
     ],
 )
+@pytest.mark.unit
 def test_bad_bodies_are_refused_naming_the_body(raw, needle):
     with pytest.raises(InvalidParam) as refused:
         decode_json(raw)
     assert refused.value.param == "body" and needle in str(refused.value)
 
 
+@pytest.mark.unit
 def test_body_limit_default_follows_the_context_length():
     assert ServerArgs().request_byte_limit(8192) == 4 << 20
     assert ServerArgs().request_byte_limit(1 << 20) == 128 << 20
     assert ServerArgs(max_request_bytes=1000).request_byte_limit(1 << 20) == 1000
 
 
+@pytest.mark.unit
 def test_token_byte_bound_only_where_the_tokenizer_guarantees_it(default_model):
     from tokenizers import normalizers
 
@@ -121,14 +127,12 @@ BAD_BODIES = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_BODIES))
 @pytest.mark.parametrize("path", BODY_ROUTES)
 def test_bad_body_is_400_naming_the_body(hostile, path, case):
     check_error(post_raw(hostile.url, path, BAD_BODIES[case]), 400, "body")
 
 
-@pytest.mark.slow
 def test_declared_body_beyond_the_limit_is_413_unread(hostile):
     with socket.create_connection(("127.0.0.1", hostile.port), timeout=30) as sock:
         head = f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -139,7 +143,6 @@ def test_declared_body_beyond_the_limit_is_413_unread(hostile):
     assert err["param"] == "body" and err["code"] == "request_too_large" and str(BODY_LIMIT) in err["message"]
 
 
-@pytest.mark.slow
 def test_chunked_body_beyond_the_limit_is_413_when_it_crosses(hostile):
     """No Content-Length: the limit is enforced while reading, at the chunk that crosses it."""
     with socket.create_connection(("127.0.0.1", hostile.port), timeout=30) as sock:
@@ -153,7 +156,6 @@ def test_chunked_body_beyond_the_limit_is_413_when_it_crosses(hostile):
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large", (status, body[:300])
 
 
-@pytest.mark.slow
 def test_prompt_far_beyond_the_context_is_refused_from_its_bytes(hostile):
     huge = "a" * 1_000_000
     bodies = {
@@ -167,7 +169,6 @@ def test_prompt_far_beyond_the_context_is_refused_from_its_bytes(hostile):
     serves(hostile.url)
 
 
-@pytest.mark.slow
 def test_long_text_that_fits_is_never_refused_by_the_bound(hostile):
     """More bytes than the context has tokens, but few tokens (runs of spaces): served."""
     text = " " * 100_000 + "Hi"
@@ -176,7 +177,6 @@ def test_long_text_that_fits_is_never_refused_by_the_bound(hostile):
     assert 100_000 / 81 <= r.json()["usage"]["prompt_tokens"] < 8192
 
 
-@pytest.mark.slow
 def test_batch_that_can_never_be_admitted_is_400_with_both_numbers(hostile):
     texts = [f"Text {i}" for i in range(300)]
     r = httpx.post(hostile.url + GEN, json={"text": texts}, timeout=60)
@@ -286,7 +286,6 @@ def held_latency(url: str, port: int) -> tuple[Holders, float, float]:
     pytest.fail(f"real requests starved beside 500 held connections in every try: {tries}")
 
 
-@pytest.mark.slow
 def test_500_held_connections_do_not_starve_real_requests_and_are_cut(hostile):
     url = hostile.url
     serves(url)
@@ -312,7 +311,6 @@ def test_500_held_connections_do_not_starve_real_requests_and_are_cut(hostile):
     serves(url)
 
 
-@pytest.mark.slow
 def test_connections_beyond_the_limit_close_the_longest_idle(hostile):
     url = hostile.url
     holders = Holders(hostile.port, MAX_CONNECTIONS + 50)
@@ -366,7 +364,6 @@ def routes(hostile) -> list[tuple[str, str]]:
     return [(m, p.replace("{name}", "x")) for m, p in found]
 
 
-@pytest.mark.slow
 @settings(
     max_examples=150,
     deadline=None,
@@ -385,7 +382,6 @@ def test_raw_bytes_on_every_route_never_5xx(hostile, routes, data, body):
         assert r.json()["error"]["message"], r.text
 
 
-@pytest.mark.slow
 def test_after_all_still_serving_at_baseline_and_no_traceback(hostile):
     serves(hostile.url)
     assert_pool_at_baseline(hostile.url)

@@ -39,6 +39,8 @@ from kiln.memory.state_pool import StatePool
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq
 
+pytestmark = pytest.mark.engine
+
 INTERVAL = 16  # --mamba-track-interval: small, so that short prompts cross checkpoints
 # prefill chunks of one interval: chunk ends land on checkpoints too
 ARGS = {
@@ -83,6 +85,7 @@ def stream() -> list[int]:
 # ---------------------------------------------------------------------------------------------- sizing
 
 
+@pytest.mark.unit
 def test_slot_bytes_follow_the_config() -> None:
     state = linear_state(hybrid_config(), 1, 4)
     assert state is not None and state.layers == 2  # a full-attention layer every second one
@@ -115,6 +118,7 @@ def _cpu_ledger(**kw):
     return compute_ledger(inputs)
 
 
+@pytest.mark.unit
 def test_running_requests_clamped_with_one_line() -> None:
     fits = _cpu_ledger(max_running_requests=16, context_length=8192)
     assert fits.fits and not fits.running_clamp and fits.max_running_requests == 16
@@ -132,6 +136,7 @@ def test_running_requests_clamped_with_one_line() -> None:
     assert "--max-running-requests 64 clamped to 10 (54 fewer)" in given.running_clamp
 
 
+@pytest.mark.unit
 def test_serve_says_the_clamp_once_before_loading(model_path: str, caplog) -> None:
     args = ServerArgs(
         model_path=model_path,
@@ -148,6 +153,7 @@ def test_serve_says_the_clamp_once_before_loading(model_path: str, caplog) -> No
     assert f"--max-running-requests 4096 clamped to {kept} ({4096 - kept} fewer)" in said[0].getMessage()
 
 
+@pytest.mark.unit
 def test_ratio_split_and_no_radix_cache() -> None:
     split = _cpu_ledger(mamba_full_memory_ratio=0.5)
     states = split.line("state pool").bytes + split.line("state checkpoints").bytes
@@ -157,6 +163,7 @@ def test_ratio_split_and_no_radix_cache() -> None:
     assert off.state_slots == 8 and off.line("state checkpoints").bytes == 0
 
 
+@pytest.mark.unit
 def test_plan_shows_both_pools(capsys, model_path: str) -> None:
     argv = ["--model-path", model_path, "--device", "cpu", "--device-memory", "8GiB"]
     rc = plan.main([*argv, "--max-running-requests", "4", "--context-length", "2048"])
@@ -179,11 +186,13 @@ def test_plan_shows_both_pools(capsys, model_path: str) -> None:
          "--page-size 16"),
     ],
 )  # fmt: skip
+@pytest.mark.unit
 def test_plan_refuses_what_serve_refuses(capsys, model_dir, flags: list[str], refusal: str) -> None:
     rc = plan.main(["--model-path", model_dir(hybrid_config()), "--device", "cpu", *flags])
     assert rc == 2 and refusal in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_weights_beyond_one_gpu_are_not_offered_more_ranks(capsys, model_dir) -> None:
     """Qwen3-Next-80B-A3B's 148 GiB of weights on an 80 GiB GPU: a Llama would be told --tp-size 4
     (tests/test_plan.py); a hybrid runs on one rank only, so no flag fixes it."""
@@ -210,6 +219,7 @@ def test_weights_beyond_one_gpu_are_not_offered_more_ranks(capsys, model_dir) ->
     assert "--tp-size" not in failure["fix"] and "more GPUs" not in failure["fix"]
 
 
+@pytest.mark.unit
 def test_too_few_state_slots_are_fixed_by_as_many_as_the_requests_need(capsys, model_dir) -> None:
     argv = ["--model-path", model_dir(hybrid_config()), "--device", "cpu", "--max-running-requests", "4"]
     assert plan.main([*argv, "--max-mamba-cache-size", "2", "--json"]) == 1
@@ -232,6 +242,7 @@ def _insert(cache: HybridRadixCache, key: list[int]) -> None:
     cache.insert(key, cache.allocator.alloc(len(key)))
 
 
+@pytest.mark.unit
 def test_match_stops_at_the_deepest_checkpoint() -> None:
     cache = _tree()
     cache.states.conv[:, 0] = 7.0
@@ -249,6 +260,7 @@ def test_match_stops_at_the_deepest_checkpoint() -> None:
     cache.debug_check()
 
 
+@pytest.mark.unit
 def test_checkpoints_reclaimed_least_recent_first_and_freed_with_their_nodes() -> None:
     cache = _tree(checkpoint_slots=2)
     keys = [[k] * 8 for k in (1, 2, 3)]

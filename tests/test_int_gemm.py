@@ -10,9 +10,10 @@ import torch
 
 from kiln.layers import int_gemm
 
-pytestmark = pytest.mark.skipif(
-    int_gemm.kernel() is None, reason="the integer kernel could not be built here"
-)
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(int_gemm.kernel() is None, reason="the integer kernel could not be built here"),
+]
 
 GGUF_QUANTIZED = (
     "Q4_0",

@@ -28,7 +28,10 @@ from kiln.memory.ledger_types import LedgerInputs
 from kiln.platform import gguf_blocks_expected
 
 Q = gguf.GGMLQuantizationType
-pytestmark = pytest.mark.skipif(not gguf_blocks_expected("auto"), reason="Kiln's CPU kernels need AVX2")
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(not gguf_blocks_expected("auto"), reason="Kiln's CPU kernels need AVX2"),
+]
 
 _SPEC = importlib.util.spec_from_file_location(
     "kl_divergence", Path(__file__).resolve().parents[1] / "benchmarks" / "kl_divergence.py"

@@ -21,6 +21,8 @@ from kiln.scheduler.launch import build_engine
 from kiln.server.startup import PHASES, StartupState
 from kiln.wait import describe
 
+pytestmark = pytest.mark.engine
+
 
 class FakeCompiler:
     """An extension whose load 'compiles' (writes its library into torch's build directory, taking `seconds`)
@@ -52,6 +54,7 @@ def _run(kernel: Kernel) -> tuple[list[tuple[str, dict]], list]:
     return seen, builds
 
 
+@pytest.mark.unit
 def test_a_cold_start_builds_in_sight_and_a_second_loads_the_cached_build(fake):
     seen, [build] = _run(fake.kernel)
     assert seen[0] == (
@@ -78,11 +81,13 @@ def test_a_cold_start_builds_in_sight_and_a_second_loads_the_cached_build(fake):
     assert rebuilt.first_build and rebuilt.built and rebuilt.last_build_s == build.seconds
 
 
+@pytest.mark.unit
 def test_nothing_to_load_is_no_phase():
     seen: list = []
     assert build_kernels([], lambda name, info: seen.append(name)) == [] and seen == []
 
 
+@pytest.mark.unit
 def test_the_extensions_each_mode_loads(monkeypatch):
     monkeypatch.setattr(kernel_builds, "cpu_runs_kiln_kernel", lambda: True)
     assert kernels_for("onednn") == ()
@@ -94,6 +99,7 @@ def test_the_extensions_each_mode_loads(monkeypatch):
     assert kernels_for("auto") == ()
 
 
+@pytest.mark.unit
 def test_status_keeps_what_each_load_took_and_wait_says_it_in_words():
     assert PHASES.index("launching") < PHASES.index("building_kernels") < PHASES.index("loading_weights")
     state = StartupState()

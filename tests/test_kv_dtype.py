@@ -27,6 +27,8 @@ from kiln.memory.ledger_types import LedgerInputs
 from kiln.runner.attention import CpuKernelBackend, TorchSdpaBackend, make_attention_backend
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 
+pytestmark = pytest.mark.engine
+
 NARROW = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 HQ, HK, D = 9, 3, 64
 KERNEL = has_cpu_decode_attention(torch.zeros(1, dtype=torch.bfloat16))
@@ -68,6 +70,7 @@ def _sdpa(q, k, v, mask, scale):
 
 
 # ---------------------------------------------------------------------------------------------- names and flags
+@pytest.mark.unit
 def test_names_flags_and_sizes():
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)
@@ -89,6 +92,7 @@ def test_names_flags_and_sizes():
 
 # ---------------------------------------------------------------------------------------------- the pool
 @pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.unit
 def test_writes_convert_on_store_and_gather_as_reads_converted(dtype):
     pool = KVPool(16, 1, 2, 2, 8, kv_torch_dtype(dtype))
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
@@ -106,6 +110,7 @@ def test_writes_convert_on_store_and_gather_as_reads_converted(dtype):
 
 
 @pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.unit
 def test_tiers_copy_rows_of_every_dtype_bit_for_bit(dtype):
     """The host and storage tiers copy pool rows with index_select / index_copy_, which torch lacks for fp8 on the
     CPU: they copy through copyable(), bytes for fp8."""
@@ -121,6 +126,7 @@ def test_tiers_copy_rows_of_every_dtype_bit_for_bit(dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", NARROW)
 @pytest.mark.parametrize("batch, prefix", [(1, 0), (5, 0), (9, 104)])
+@pytest.mark.unit
 def test_kernel_reads_a_narrow_pool_as_its_float32_values(dtype, batch, prefix):
     """The kernel on a narrow pool equals, bit for bit, the kernel on a float32 pool of the same values (each
     element converted exactly, in registers), the shared-prefix walk included; and torch's SDPA on the rows
@@ -138,6 +144,7 @@ def test_kernel_reads_a_narrow_pool_as_its_float32_values(dtype, batch, prefix):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.unit
 def test_every_fp8_byte_reads_as_torch_converts_it(dtype):
     """Each of the 256 bytes as a V row of one slot (weight 1): the kernel's vector conversion gives torch's value,
     infinities and NaNs included."""
@@ -154,6 +161,7 @@ def test_every_fp8_byte_reads_as_torch_converts_it(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.unit
 def test_backends_on_a_narrow_pool_match_the_float32_pool_of_its_values(dtype):
     """Decode through the kernel backend and torch SDPA's (gathers converted), and an extend on a cached prefix:
     each the same as on a float32 pool holding the narrow pool's values (the new rows written are rounded alike)."""

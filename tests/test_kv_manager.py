@@ -20,6 +20,8 @@ from kiln.sampling_params import SamplingParams
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.req import Req
 
+pytestmark = pytest.mark.unit
+
 CONFIGS = [(1, True), (1, False), (4, True), (4, False)]
 IDS = [f"ps{ps}-{'radix' if radix else 'noradix'}" for ps, radix in CONFIGS]
 

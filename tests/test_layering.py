@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent / "kiln"
 
 # Lowest first. A package (or top-level module) may import the ones before it, never those after it.

@@ -16,6 +16,8 @@ from kiln.memory.ledger_types import LedgerInputs
 from kiln.memory.model_shapes import kv_bytes_per_token, param_counts, weight_bytes
 from kiln.platform import host_available_bytes, host_total_bytes, parse_size
 
+pytestmark = pytest.mark.unit
+
 # Public config.json values (only the fields the ledger reads).
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,

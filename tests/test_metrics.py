@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.server
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 PROMPT_IDS = [4093, 1340, 5248, 314, 3287]  # five tokens, sent as ids so the prompt count is exact

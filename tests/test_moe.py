@@ -28,6 +28,8 @@ import kiln.layers.rotary as rotary
 from kiln.core.sharding import tp_size_problems
 from kiln.layers.moe import FusedMoE, MoESpec, RouterSpec, SparseMoeBlock, TopKRouter, is_sparse_layer
 
+pytestmark = pytest.mark.engine
+
 H, I_EXPERT = 32, 16  # hidden size, one expert's intermediate size
 
 
@@ -65,6 +67,7 @@ def _assert_same_routing(hf_router, ours: TopKRouter, tokens: int = 64) -> None:
 
 
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
+@pytest.mark.unit
 def test_softmax_router_matches_qwen3_moe(norm_topk_prob: bool) -> None:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -78,6 +81,7 @@ def test_softmax_router_matches_qwen3_moe(norm_topk_prob: bool) -> None:
 
 
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
+@pytest.mark.unit
 def test_sigmoid_grouped_router_matches_deepseek_v3(norm_topk_prob: bool) -> None:
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -97,6 +101,7 @@ def test_sigmoid_grouped_router_matches_deepseek_v3(norm_topk_prob: bool) -> Non
     assert all(len(set((row // 4).tolist())) <= 2 for row in ids)
 
 
+@pytest.mark.unit
 def test_a_float32_router_stays_float32_in_a_bfloat16_model() -> None:
     """DeepSeek's gate and correction bias are float32 in transformers whatever the model's dtype."""
     before = torch.get_default_dtype()
@@ -112,6 +117,7 @@ def test_a_float32_router_stays_float32_in_a_bfloat16_model() -> None:
     assert deepseek(x)[0].dtype == torch.float32 and qwen(x)[0].dtype == torch.bfloat16
 
 
+@pytest.mark.unit
 def test_group_limited_greedy_router_matches_deepseek_v2() -> None:
     from transformers import DeepseekV2Config
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
@@ -138,6 +144,7 @@ def test_group_limited_greedy_router_matches_deepseek_v2() -> None:
         ("num_experts_per_tok", dict(num_experts_per_tok=9)),
     ],
 )
+@pytest.mark.unit
 def test_unimplemented_routing_is_refused_naming_the_field(field: str, changes: dict) -> None:
     from transformers import AutoConfig
 
@@ -151,6 +158,7 @@ def test_unimplemented_routing_is_refused_naming_the_field(field: str, changes: 
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "foo"])
+@pytest.mark.unit
 def test_rope_without_a_static_table_is_refused(rope_type: str) -> None:
     from transformers import AutoConfig
 
@@ -161,6 +169,7 @@ def test_rope_without_a_static_table_is_refused(rope_type: str) -> None:
     assert "yarn" in str(err.value)  # names what is accepted
 
 
+@pytest.mark.unit
 def test_a_sliding_window_is_refused_over_a_longer_context() -> None:
     from kiln.models.config import ModelConfig
     from kiln.models.registry import check_model_config
@@ -176,6 +185,7 @@ def test_a_sliding_window_is_refused_over_a_longer_context() -> None:
     check_model_config(windowed, 128)  # no sequence is longer than the window: it changes nothing
 
 
+@pytest.mark.unit
 def test_qwen_routing_ignores_deepseeks_fields() -> None:
     """transformers' and SGLang's Qwen3-MoE route by softmax top-k whatever else the config holds."""
     from transformers import AutoConfig
@@ -193,6 +203,7 @@ def test_qwen_routing_ignores_deepseeks_fields() -> None:
     assert moe_spec(noisy).router == RouterSpec(8, 2, norm_topk_prob=True)
 
 
+@pytest.mark.unit
 def test_sparse_layers_follow_the_config() -> None:
     from transformers import AutoConfig
 
@@ -239,6 +250,7 @@ def _naive(
     return out
 
 
+@pytest.mark.unit
 def test_experts_match_a_per_token_reference() -> None:
     experts, k, tokens = 6, 2, 13
     layer = FusedMoE(experts, H, I_EXPERT)
@@ -256,6 +268,7 @@ def test_experts_match_a_per_token_reference() -> None:
     torch.testing.assert_close(layer._grouped_mm(rows, sorted_ids), layer._per_expert(rows, sorted_ids))
 
 
+@pytest.mark.unit
 def test_fused_checkpoint_layout_loads_like_per_expert() -> None:
     gate_up, down = _full_expert_weights(4)
     per_expert, fused = FusedMoE(4, H, I_EXPERT), FusedMoE(4, H, I_EXPERT)
@@ -267,6 +280,7 @@ def test_fused_checkpoint_layout_loads_like_per_expert() -> None:
     assert torch.equal(fused.down_proj, per_expert.down_proj)
 
 
+@pytest.mark.unit
 def test_a_missing_expert_tensor_is_named() -> None:
     layer = FusedMoE(3, H, I_EXPERT)
     gate_up, down = _full_expert_weights(3)
@@ -278,6 +292,7 @@ def test_a_missing_expert_tensor_is_named() -> None:
         moe.check_experts_loaded(holder)
 
 
+@pytest.mark.unit
 def test_expert_checkpoint_names() -> None:
     assert moe.expert_target("model.layers.3.mlp.experts.17.up_proj.weight") == (
         "model.layers.3.mlp.experts.gate_up_proj",
@@ -325,6 +340,7 @@ def _block_like(hf_block, spec: MoESpec) -> SparseMoeBlock:
     return block
 
 
+@pytest.mark.unit
 def test_deepseek_v3_block_with_shared_experts_matches_transformers() -> None:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
@@ -338,6 +354,7 @@ def test_deepseek_v3_block_with_shared_experts_matches_transformers() -> None:
         torch.testing.assert_close(block(x.view(-1, H)), hf_block(x).view(-1, H), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_qwen3_moe_block_matches_transformers() -> None:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -360,6 +377,7 @@ def test_qwen3_moe_block_matches_transformers() -> None:
 
 
 @pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.unit
 def test_two_tensor_parallel_ranks_hold_slices_and_sum_to_one_rank(monkeypatch, ep: int) -> None:
     """tp 2 simulated: each rank built and loaded as its own process would be; the all-reduce becomes a sum of
     the two ranks' partial outputs, which must equal the tp 1 output. ep 1: each rank holds half of every
@@ -428,6 +446,7 @@ def test_an_unknown_scoring_function_is_refused_at_startup(tmp_path: Path) -> No
     assert "softmax" in str(err.value)
 
 
+@pytest.mark.unit
 def test_ep_size_must_split_the_experts() -> None:
     """--ep-size divides the routed experts and leaves tp / ep ranks that divide each expert's intermediate size;
     a dense model has no experts to split. The refusal names the dimension."""

@@ -19,6 +19,8 @@ from kiln.scheduler.io import AbortReq, GenerateReq
 from kiln.scheduler.overlap import ForwardThread
 from kiln.scheduler.scheduler import Scheduler
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = [[5, 9, 14, 3, 7, 11, 2, 8], [1, 2, 3], list(range(100, 130)), [40, 41, 42, 43]]
 ARGS = dict(disable_cuda_graph=True, max_total_tokens=2048, num_threads=1)
 

@@ -13,6 +13,8 @@ import kiln.plan as plan
 from kiln.config import ServerArgs
 from kiln.platform import gguf_blocks_expected
 
+pytestmark = pytest.mark.unit
+
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,

@@ -21,6 +21,8 @@ from kiln.memory.ledger import compute_core, compute_ledger
 from kiln.memory.ledger_types import LedgerInputs
 from kiln.scheduler.launch import StartupRefused, build_engine, plan_ledger
 
+pytestmark = pytest.mark.engine
+
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -74,6 +76,7 @@ FAILING = {
 
 
 @pytest.mark.parametrize("flags", FAILING.values(), ids=FAILING.keys())
+@pytest.mark.unit
 def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flags):
     argv = ["--model-path", model_dir(LLAMA_31_8B)] + flags
     args = serve_args(argv)
@@ -92,6 +95,7 @@ def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flag
     assert data["failure"]["fix"] == "use " + ", or ".join(fix.text for fix in fixes)
 
 
+@pytest.mark.unit
 def test_serve_accepts_only_what_serve_runs():
     assert serve_accepts({"--mem-fraction-static": "0.8"}) and serve_accepts({"--disable-cuda-graph": ""})
     assert serve_accepts({"--kv-cache-dtype": "fp8_e4m3"})
@@ -128,6 +132,7 @@ def same_ledger(capsys, argv: list[str]) -> dict:
     return planned
 
 
+@pytest.mark.unit
 def test_plan_and_serve_ledgers_agree(capsys, model_dir):
     tiny, llama = model_dir(TINY, "tiny"), model_dir(LLAMA_31_8B, "llama")
     for argv in (
@@ -142,6 +147,7 @@ def test_plan_and_serve_ledgers_agree(capsys, model_dir):
         same_ledger(capsys, argv)
 
 
+@pytest.mark.unit
 def test_plan_and_serve_agree_on_a_gguf_directory(capsys, gguf_dir):
     for cpu_gemm in ("auto", "f32"):
         argv = [
@@ -158,6 +164,7 @@ def test_plan_and_serve_agree_on_a_gguf_directory(capsys, gguf_dir):
         assert data["context_len"] == 8192 and data["fits"]
 
 
+@pytest.mark.unit
 def test_plan_and_serve_agree_on_a_float32_checkpoint_on_cuda(capsys, model_dir):
     path = model_dir(dict(LLAMA_31_8B, torch_dtype="float32"))
     argv = ["--model-path", path, "--device", "cuda", "--device-memory", "80GiB"]
@@ -167,6 +174,7 @@ def test_plan_and_serve_agree_on_a_float32_checkpoint_on_cuda(capsys, model_dir)
     assert kv_line["inputs"].endswith("x 2 B (float16)")
 
 
+@pytest.mark.unit
 def test_tensor_parallel_size_alias(capsys, model_dir):
     path = model_dir(TINY)
     common = ["--model-path", path, "--device", "cpu", "--device-memory", "8GiB"]
@@ -203,6 +211,7 @@ def test_serve_refuses_an_unusable_storage_dir_before_loading_weights(tmp_path, 
 
 
 @pytest.mark.parametrize("value", ["0", "1", "1.5", "-0.2"])
+@pytest.mark.unit
 def test_mem_fraction_static_one_rule(capsys, model_dir, value):
     with pytest.raises(ValueError, match="--mem-fraction-static"):
         ServerArgs(mem_fraction_static=float(value))
@@ -225,6 +234,7 @@ def test_count_flags_one_rule(capsys, model_dir, flag):
     assert plan.main(argv) == 2 and f"{flag} must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_serve_refuses_a_context_past_the_model_before_any_process(model_dir, monkeypatch):
     from kiln.server import launch
 
@@ -234,6 +244,7 @@ def test_serve_refuses_a_context_past_the_model_before_any_process(model_dir, mo
     assert launch._front_refusal(replace(too_long, context_length=512)) is None
 
 
+@pytest.mark.unit
 def test_plan_says_when_the_pool_caps_requests_below_the_context(capsys, model_dir):
     assert plan.main(["--model-path", model_dir(TINY), "--device", "cpu", "--max-total-tokens", "100"]) == 0
     assert "no request can be longer than 100 tokens" in capsys.readouterr().out
@@ -255,10 +266,12 @@ def test_plan_says_when_the_pool_caps_requests_below_the_context(capsys, model_d
         ({}, "cpu", "half", "float16"),
     ],
 )
+@pytest.mark.unit
 def test_one_dtype_resolver(config, device, requested, expected):
     assert resolve_dtype_name(config, device, requested) == expected
 
 
+@pytest.mark.unit
 def test_kv_cache_dtype_auto_is_the_dtype():
     assert kv_cache_dtype_name("auto", "float16") == "float16"
     assert kv_cache_dtype_name(None, "float32") == "float32"
@@ -270,5 +283,6 @@ def test_kv_cache_dtype_auto_is_the_dtype():
 @pytest.mark.parametrize(
     "kv_heads, tp, expected", [(8, 1, 8), (8, 2, 4), (8, 8, 1), (8, 16, 1), (2, 4, 1), (3, 1, 3), (6, 4, 2)]
 )
+@pytest.mark.unit
 def test_kv_heads_per_rank_rounds_up(kv_heads, tp, expected):
     assert kv_heads_per_rank(kv_heads, tp) == expected

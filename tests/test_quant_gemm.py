@@ -17,7 +17,7 @@ Q = gguf.GGMLQuantizationType
 AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 # Skipped only where the kernel cannot exist; on an AVX2 CPU a failed build fails the `kernel` fixture. The kernel
 # is asked for directly, so --cpu-gemm (which only decides what a model load packs into) does not matter here.
-pytestmark = pytest.mark.skipif(not AVX2, reason="Kiln's CPU kernel needs AVX2 and FMA")
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not AVX2, reason="Kiln's CPU kernel needs AVX2 and FMA")]
 
 FORMATS = {Q.Q4_1: ("pack_q4_1", "linear_q4_1", 20, 320), Q.Q8_0: ("pack_q8_0", "linear_q8_0", 34, 544)}
 

@@ -15,6 +15,8 @@ from kiln.layers import cpu_gemm
 from kiln.layers.quant_rows import GGUFRows, keep_rows, pop_rows
 from kiln.platform import gguf_blocks_expected
 
+pytestmark = pytest.mark.engine
+
 
 def _loaded(n: int, k: int, qtype: str = "Q4_1", seed: int = 0) -> torch.Tensor:
     """A float32 tensor as the GGUF loader yields it: dequantized, with its raw blocks attached."""
@@ -25,6 +27,7 @@ def _loaded(n: int, k: int, qtype: str = "Q4_1", seed: int = 0) -> torch.Tensor:
     return t
 
 
+@pytest.mark.unit
 def test_rows_kept_in_any_order_come_back_in_row_order():
     a, b = _loaded(32, 64, seed=1), _loaded(16, 64, seed=2)
     param = torch.nn.Parameter(torch.empty(48, 64), requires_grad=False)
@@ -35,6 +38,7 @@ def test_rows_kept_in_any_order_come_back_in_row_order():
     assert pop_rows(param) is None  # forgotten once taken
 
 
+@pytest.mark.unit
 def test_a_shard_keeps_its_rows_and_block_aligned_columns():
     full = _loaded(64, 128)
     rows = torch.nn.Parameter(torch.empty(32, 128), requires_grad=False)
@@ -48,6 +52,7 @@ def test_a_shard_keeps_its_rows_and_block_aligned_columns():
 @pytest.mark.parametrize(
     "case", ["unaligned columns", "a part without blocks", "two types", "missing rows", "overlap"]
 )
+@pytest.mark.unit
 def test_weights_whose_rows_are_not_all_in_blocks_get_none(case):
     param = torch.nn.Parameter(torch.empty(64, 64), requires_grad=False)
     full = _loaded(64, 64)
@@ -75,6 +80,7 @@ def cpu_gemm_restored():
     cpu_gemm.set_cpu_gemm("auto")
 
 
+@pytest.mark.unit
 def test_k_quant_columns_are_kept_on_super_block_bounds():
     """A row-parallel shard of a K-quant matrix keeps its blocks only where it starts on a 256-wide super-block."""
     rows = torch.from_numpy(np.random.default_rng(4).integers(0, 256, (16, 2 * 144), dtype=np.uint8))

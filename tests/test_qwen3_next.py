@@ -39,6 +39,8 @@ from kiln.layers.gated_delta import (
 from kiln.layers.moe import MoESpec, SparseMoeBlock
 from kiln.memory.state_pool import StatePool
 
+pytestmark = pytest.mark.engine
+
 PROMPT_LENS = [1, 3, 9, 17, 40, 77, 150, 333]
 CHUNK = 48  # --chunked-prefill-size: not a multiple of the delta rule's 64-token chunks
 ENGINE_ARGS = {**BASE_ARGS, "disable_radix_cache": True}
@@ -62,6 +64,7 @@ def _delta_inputs(batch: int, length: int, seed: int = 0) -> tuple[torch.Tensor,
 # ---------------------------------------------------------------------------------------------- the ops
 
 
+@pytest.mark.unit
 def test_chunked_delta_rule_is_transformers() -> None:
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
@@ -74,6 +77,7 @@ def test_chunked_delta_rule_is_transformers() -> None:
     torch.testing.assert_close(state, want_state, rtol=0, atol=0)
 
 
+@pytest.mark.unit
 def test_recurrent_delta_rule_is_transformers() -> None:
     """The one-token step Kiln decodes with (in-place updates, reductions as matmuls), token after token, against
     transformers' recurrent form, from a saved state that it leaves as it is."""
@@ -91,6 +95,7 @@ def test_recurrent_delta_rule_is_transformers() -> None:
     assert torch.equal(start, kept)
 
 
+@pytest.mark.unit
 def test_chunked_delta_rule_equals_recurrent_form() -> None:
     q, k, v, g, beta = _delta_inputs(2, 150, seed=1)
     start = torch.randn(2, 4, 8, 16, generator=_seeded(2))
@@ -101,6 +106,7 @@ def test_chunked_delta_rule_equals_recurrent_form() -> None:
 
 
 @pytest.mark.parametrize("cuts", [(1,), (64,), (37, 100), (5, 6, 7, 149)])
+@pytest.mark.unit
 def test_delta_rule_continues_from_saved_state(cuts: tuple[int, ...]) -> None:
     """Pieces of a sequence carrying the state equal the sequence at once, each piece in the form an extend of
     its length runs in (one token: the recurrent step; short: chunks of the next power of two; long: 64)."""
@@ -114,6 +120,7 @@ def test_delta_rule_continues_from_saved_state(cuts: tuple[int, ...]) -> None:
     torch.testing.assert_close(state, whole_state, rtol=0, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_conv_state_continuation() -> None:
     """Prefill in pieces carrying the conv state, then token-by-token decode from it, equals the whole sequence
     through the conv at once (zeros before the first token, as transformers' left padding)."""
@@ -136,6 +143,7 @@ def test_conv_state_continuation() -> None:
     assert state.shape == (12, 3)
 
 
+@pytest.mark.unit
 def test_gated_shared_expert_block_matches_transformers() -> None:
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
@@ -166,6 +174,7 @@ def test_gated_shared_expert_block_matches_transformers() -> None:
         torch.testing.assert_close(ours(x[0]), hf(x)[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_state_pool_operations() -> None:
     pool = StatePool(4, 3, (10, 3), (2, 4, 5), torch.float32)
     assert pool.conv.shape == (3, 4, 10, 3) and pool.ssm.shape == (3, 4, 2, 4, 5)
@@ -263,6 +272,7 @@ def test_chunked_prefill_through_linear_layers(model_path: str, ref: HybridRefer
         eng.shutdown()
 
 
+@pytest.mark.unit
 def test_unimplemented_config_is_refused() -> None:
     from transformers import Qwen3NextConfig
 

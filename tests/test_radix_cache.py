@@ -14,6 +14,8 @@ from kiln.memory.allocator import TokenAllocator
 from kiln.memory.prefix_cache import NoPrefixCache
 from kiln.memory.radix_cache import RadixCache
 
+pytestmark = pytest.mark.unit
+
 
 def _make(num_tokens: int = 64, ps: int = 1) -> tuple[TokenAllocator, RadixCache]:
     alloc = TokenAllocator(num_tokens, page_size=ps, debug=True)

@@ -16,6 +16,8 @@ from kiln.server.protocol import ChatCompletionRequest
 from kiln.server.tool_calls import ChatTools, template_messages
 from kiln.text.reasoning_parsers import ReasoningStream, reasoning_format, split_reasoning
 
+pytestmark = pytest.mark.unit
+
 R1 = "The user wants 2+2.\nThat is 4."
 CALL = '<tool_call>\n{"name": "w"}'
 

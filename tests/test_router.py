@@ -22,6 +22,8 @@ import kiln.cli as cli
 from kiln.config import ServerArgs
 from kiln.server.replicas import cli_argv
 
+pytestmark = pytest.mark.slow
+
 REPLICA_FLAGS = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--num-threads", "1"]
 # long enough that the router's cache_aware policy (a match over the request's characters) sees the match
 PREFIX_A = "Alpha: " + " ".join(f"apple{i} orchard{i}" for i in range(60))
@@ -172,7 +174,6 @@ def test_a_replica_gets_the_sglang_flags_kiln_only_acknowledges():
 
 
 # ------------------------------------------------------------------------------------- through the router
-@pytest.mark.slow
 def test_requests_are_served_through_the_router(dp):
     srv, replicas = dp
     assert len(replicas) == 2
@@ -194,7 +195,6 @@ def test_requests_are_served_through_the_router(dp):
     assert httpx.post(f"{srv.url}/flush_cache", timeout=30).status_code == 200
 
 
-@pytest.mark.slow
 def test_cache_aware_keeps_a_shared_prefix_on_one_replica(dp):
     srv, replicas = dp
     cached_a, sent_a = family(srv.url, replicas, PREFIX_A)
@@ -207,7 +207,6 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_replica(dp):
     assert len([r for r in replicas if sent_b[r] > 0]) == 1, sent_b
 
 
-@pytest.mark.slow
 def test_separately_started_servers_work_behind_launch_router(tiny_llama, tmp_path):
     servers = [
         ServerProcess(["--model-path", tiny_llama, *REPLICA_FLAGS], tmp_path / f"w{i}.log") for i in range(2)
@@ -245,7 +244,6 @@ def test_separately_started_servers_work_behind_launch_router(tiny_llama, tmp_pa
             s.stop()
 
 
-@pytest.mark.slow
 def test_a_replica_that_dies_ends_the_router_and_the_others(tiny_llama, tmp_path):
     srv = start_dp(tiny_llama, tmp_path / "serve.log")
     try:
@@ -264,7 +262,6 @@ def test_a_replica_that_dies_ends_the_router_and_the_others(tiny_llama, tmp_path
         srv.stop()
 
 
-@pytest.mark.slow
 def test_sigterm_ends_the_router_and_every_replica(dp):
     """Last in the module: it ends the shared server."""
     srv, _ = dp

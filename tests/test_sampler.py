@@ -13,6 +13,8 @@ from kiln.runner import sampler
 from kiln.runner.sampler import SamplingRow, apply_penalties, argmax_ids, process_logits, sample
 from kiln.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 V = 1000
 
 

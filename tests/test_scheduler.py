@@ -24,6 +24,8 @@ from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
 from kiln.scheduler.scheduler import Scheduler
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 1000
 EOS = VOCAB - 1  # never produced by next_token
 
@@ -337,6 +339,41 @@ def test_a_stalled_chunked_prompt_does_not_drop_the_decoding_request() -> None:
     outs = drive(s)
     assert final(outs[a]).finish_reason == {"type": "length", "length": 60}
     assert ids(outs[a]) == expected([5], 60) and ids(outs[b]) == expected(p, 1)
+
+
+class EosFirstRunner(FakeRunner):
+    """The fake model with EOS as every step's first choice and the fake model's token as its second."""
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        logits = super().forward(fb)
+        logits[:, EOS] = 2.0
+        return logits
+
+
+@pytest.mark.parametrize("min_new", [0, 1, 5])
+def test_eos_is_banned_for_exactly_min_new_tokens(min_new: int) -> None:
+    """min_new_tokens outputs come before EOS may end a request, and EOS ends it at the first step after."""
+    s = make()
+    s.runner.__class__ = EosFirstRunner
+    p = prompt(9, 3)
+    rid = add(s, p, max_new=20, min_new_tokens=min_new)
+    out = drive(s)[rid]
+    assert ids(out) == expected(p, min_new) + [EOS]
+    assert final(out).finish_reason["type"] == "stop" and final(out).completion_tokens == min_new + 1
+
+
+def test_integrity_reports_a_leaked_slot_and_counts_it() -> None:
+    """A slot taken outside any request or cached prefix breaks free + cached + in use == total: the check says
+    so (it is what /get_server_info and kiln:kv_integrity_violations_total report)."""
+    s = make()
+    add(s, prompt(12, 1))
+    drive(s)
+    assert s.check_integrity()["ok"] and s.integrity_violations == 0
+    leaked = s.runner.allocator.alloc(1)
+    assert leaked is not None
+    rep = s.check_integrity()
+    assert not rep["ok"] and rep["free"] + rep["cached"] + rep["in_use"] == rep["total"] - 1, rep
+    assert s.integrity_violations == 1 and s.make_stats().integrity_violations == 1
 
 
 # ---------------------------------------------------------------- aborts and prefill-only

@@ -9,7 +9,7 @@ import uuid
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.server
 
 FRANCE = "What is the capital of France?"
 PROMPT = "The capital of France is"

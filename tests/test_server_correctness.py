@@ -10,6 +10,8 @@ import torch
 from conftest import hf_model_of_gguf
 from openai import AsyncOpenAI, OpenAI
 
+pytestmark = pytest.mark.server
+
 NEW_TOKENS = 12
 PROMPTS = [
     "The capital of France is",

@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.server
 
 CMPL, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
 MSG = [{"role": "user", "content": "Hi"}]

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from conftest import ServerProcess, children_left
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.server
 
 LONG = 3000  # new tokens no test waits for: seconds of decoding on this machine
 
@@ -191,9 +191,12 @@ def test_concurrent_streams_match_sequential(server, client, model):
 
 # ---------------------------------------------------------------------------------------------- startup probes
 def test_health_is_503_until_warmed_up(tiny_llama, tmp_path):
+    tmp = tmp_path / "tmp"  # the server's temporary folder: its sockets' folder is removed when it stops
+    tmp.mkdir()
     srv = ServerProcess(
         ["--model-path", tiny_llama, "--max-total-tokens", "1024", "--context-length", "1024"],
         tmp_path / "serve.log",
+        {"TMPDIR": str(tmp)},
     )
     seen: list[tuple[int, str | None]] = []
     early_request: httpx.Response | None = None
@@ -228,8 +231,10 @@ def test_health_is_503_until_warmed_up(tiny_llama, tmp_path):
             assert early_request.json()["error"]["type"] == "unavailable"
         ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200, ok.text
+        assert [p.name for p in tmp.glob("kiln-*")], "the server made its sockets' folder elsewhere"
     finally:
-        srv.stop()
+        code = srv.stop()
+    assert code == 0 and not list(tmp.glob("kiln-*")), f"exit {code}; the sockets' folder must be gone"
 
 
 # ---------------------------------------------------------------------------------------------- at the end

@@ -30,6 +30,8 @@ from kiln.server.sglang_routes import health_generate
 from kiln.server.startup import StartupState
 from kiln.server.token_bytes import TokenBytes
 
+pytestmark = pytest.mark.server
+
 CMPL, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
 MSG = [{"role": "user", "content": "Hi"}]
 
@@ -108,6 +110,7 @@ def test_engine_error_mid_stream_is_an_sse_error_event_the_sdk_raises(tokenizer)
     assert "error" in json.loads(lines[-2][6:]) and lines[-1] == "data: [DONE]"
 
 
+@pytest.mark.unit
 def test_health_generate_is_healthy_only_when_a_token_comes(tokenizer):
     async def probe(client) -> bool:
         return await health_generate(client, timeout=0.5)
@@ -117,6 +120,7 @@ def test_health_generate_is_healthy_only_when_a_token_comes(tokenizer):
     assert not asyncio.run(probe(FakeEngineClient([], hang=True)))
 
 
+@pytest.mark.unit
 def test_unsupported_fields_are_refused_by_name_and_defaults_pass():
     sglang_bench = {"text": "Hi", "lora_path": None, "return_logprob": False, "return_routed_experts": False}
     refuse_unsupported(GenerateRequest.model_validate({**sglang_bench, "logprob_start_len": -1}))
@@ -141,6 +145,7 @@ def test_unsupported_fields_are_refused_by_name_and_defaults_pass():
     assert seeded.params().seed == 7
 
 
+@pytest.mark.unit
 def test_model_names_as_sglang():
     for name in (None, "default", "gpt-4o", "kiln-test", "org/kiln:v1"):
         check_model_name(name, "org/kiln:v1")
@@ -149,6 +154,7 @@ def test_model_names_as_sglang():
     assert refused.value.param == "model" and "my-adapter" in str(refused.value)
 
 
+@pytest.mark.unit
 def test_native_logprobs_are_sglang_triples(tokenizer):
     result = OutputAccumulator()
     lps = [TokenLogprob(42, -0.5, [(42, -0.5), (7, -1.5)])]
@@ -164,6 +170,7 @@ def test_native_logprobs_are_sglang_triples(tokenizer):
     assert "output_token_logprobs" not in native_body(tokenizer, result, None)["meta_info"]
 
 
+@pytest.mark.unit
 def test_logprob_bytes_of_byte_level_tokens(tokenizer):
     """GPT-2 byte-level tokens that are parts of one character give their own bytes, which join to the text."""
     text = "héllo — ✓ 你好"
@@ -173,6 +180,7 @@ def test_logprob_bytes_of_byte_level_tokens(tokenizer):
     assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # the case that matters is in the text
 
 
+@pytest.mark.unit
 def test_logprob_bytes_of_byte_fallback_tokens():
     """SentencePiece byte fallback: <0xE2> stands for the byte 0xE2."""
     from tokenizers import Tokenizer, decoders, models
@@ -202,6 +210,7 @@ STOPPED = [
 ]
 
 
+@pytest.mark.unit
 def test_stream_finishing_chunk_carries_matched_stop(tokenizer):
     """SGLang's stream choices carry matched_stop (null until the finishing one), as the non-streamed choice."""
     http = app_over(tokenizer, STOPPED)
@@ -230,6 +239,7 @@ def test_stream_finishing_chunk_carries_matched_stop(tokenizer):
         (GEN, {"text": "Hi", "sampling_params": {"min_new_tokens": -1}}, "min_new_tokens", "min_new_tokens=-1"),
     ],
 )  # fmt: skip
+@pytest.mark.unit
 def test_refusals_name_the_field_as_the_endpoint_spells_it(tokenizer, path, body, param, words):
     """The OpenAI endpoints take min_tokens (vLLM's name for min_new_tokens): a refusal says min_tokens, and the
     token limit under the name the client sent it; /generate keeps SGLang's names."""
@@ -256,6 +266,7 @@ def cat_logprobs(tokenizer) -> list[TokenLogprob]:
     return [TokenLogprob(t, -0.25, [(t, -0.25), (t + 1, -1.0), (t - 1, -2.0)]) for t in tokenizer.encode(CAT)]
 
 
+@pytest.mark.unit
 def test_completion_logprobs_of_partial_utf8_tokens(tokenizer):
     """A token that is only part of a character is OpenAI's "bytes:\\xNN" string, distinct from its
     neighbours; text_offset is the character where its first byte lies, never past the text."""
@@ -278,6 +289,7 @@ def test_completion_logprobs_of_partial_utf8_tokens(tokenizer):
         assert {k: head[k] + tail[k] for k in lp} == lp
 
 
+@pytest.mark.unit
 def test_completion_stream_logprobs_equal_the_non_streamed_ones_on_partial_utf8(tokenizer):
     lps = cat_logprobs(tokenizer)
     cut = 2  # inside 猫: its first chunk's text is held back until the character completes
@@ -306,7 +318,6 @@ def refused(resp: httpx.Response, param: str) -> dict:
     return error
 
 
-@pytest.mark.slow
 def test_any_model_name_is_served_and_models_lists_the_served_one(server, client, model):
     for name in ("default", "no-such-model"):
         assert client.completions.create(model=name, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
@@ -319,7 +330,6 @@ def test_any_model_name_is_served_and_models_lists_the_served_one(server, client
     assert "LoRA" in error["message"]
 
 
-@pytest.mark.slow
 def test_sglang_bench_generate_payload_and_refusals(server):
     """The body SGLang's bench_serving sends (backend sglang), then the fields Kiln refuses by name."""
     body = {
@@ -339,7 +349,6 @@ def test_sglang_bench_generate_payload_and_refusals(server):
         assert "Kiln" in error["message"]
 
 
-@pytest.mark.slow
 def test_generate_logprob_triples_with_text(server):
     body = {
         "text": "The capital of France is",
@@ -360,7 +369,6 @@ def test_generate_logprob_triples_with_text(server):
     assert all(entry[2] is None for entry in plain["output_token_logprobs"])
 
 
-@pytest.mark.slow
 def test_openai_extension_fields_echo_and_suffix(server, client, model):
     greedy = {"temperature": 0.0, "max_tokens": 3}
     extras = {"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True}
@@ -377,7 +385,6 @@ def test_openai_extension_fields_echo_and_suffix(server, client, model):
     refused(post(server, CMPL, {"prompt": "Hi", "no_such_field": 1}), "no_such_field")
 
 
-@pytest.mark.slow
 def test_tokenize_and_detokenize(server):
     one = post(server, "/v1/tokenize", {"prompt": "Hello world"}).json()
     assert one["count"] == len(one["tokens"]) > 0 and one["max_model_len"] > 0
@@ -392,7 +399,6 @@ def test_tokenize_and_detokenize(server):
     refused(post(server, "/v1/tokenize", {"prompt": "a", "messages": MSG}), "prompt")
 
 
-@pytest.mark.slow
 def test_health_generate_model_info_and_server_info(server, model):
     def counters() -> dict:
         return httpx.get(server.url + "/get_server_info", timeout=30).json()["stats"]
@@ -418,7 +424,6 @@ def test_health_generate_model_info_and_server_info(server, model):
     assert server_info["server_args"]["model_path"] == model and "context_len" in server_info
 
 
-@pytest.mark.slow
 def test_chat_logprob_bytes_join_to_the_text(client, model):
     chat = client.chat.completions.create(
         model=model,

@@ -22,6 +22,8 @@ from kiln.bench.cli import main as bench_main
 from kiln.bench.serve import RequestInput, build_body, default_output_file
 from kiln.bench.workloads import Conversation, Turn, apply_chat_template, build_workload, sharegpt_workload
 
+pytestmark = pytest.mark.server
+
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 OUTPUT_LEN = 8
 WARMUP_OUTPUT_LEN = min(OUTPUT_LEN, 32)  # bench_serving's warm-up asks for min(output_len, 32) tokens
@@ -123,7 +125,6 @@ def flush_cache_as_bench_serving(url: str) -> None:
     httpx.post(f"{url}/flush_cache", params={"timeout": 60.0}, timeout=90).raise_for_status()
 
 
-@pytest.mark.slow
 def test_bench_serving_backend_sglang_replayed(server):
     url = server.url
     bench_serving_preamble(url)
@@ -139,7 +140,6 @@ def test_bench_serving_backend_sglang_replayed(server):
     bench_serving_epilogue(url, "sglang")
 
 
-@pytest.mark.slow
 def test_bench_serving_backend_sglang_oai_replayed(server):
     url = server.url
     model, _ = bench_serving_preamble(url)
@@ -173,6 +173,7 @@ def write_sharegpt(path, pairs: list[tuple[str, str]], extra: list | None = None
     return str(path)
 
 
+@pytest.mark.unit
 def test_sharegpt_sampling(tmp_path):
     pairs = [(f"question number {i} about lighthouses", " ".join(["word"] * (3 + i))) for i in range(6)]
     extra = [
@@ -198,6 +199,7 @@ def test_sharegpt_sampling(tmp_path):
         sharegpt_workload(tok, path, 1, 1, output_len=3)
 
 
+@pytest.mark.unit
 def test_chat_template_applies_to_completion_backends_only(tmp_path):
     tok = WordTokenizer()
     convs = [Conversation([Turn("tell me a story", 4, 8)])]
@@ -228,6 +230,7 @@ def test_eos_is_ignored_unless_disabled():
     assert args.output_file == "x.jsonl"  # the old flag name still works
 
 
+@pytest.mark.unit
 def test_default_output_file_is_sglangs_name():
     args = SimpleNamespace(backend="sglang", dataset_name="random", num_prompts=10, random_input_len=64,
                            random_output_len=32)  # fmt: skip
@@ -236,7 +239,6 @@ def test_default_output_file_is_sglangs_name():
     assert re.fullmatch(r"sglang_\d{4}_10_sharegpt\.jsonl", default_output_file(args))
 
 
-@pytest.mark.slow
 def test_kiln_bench_serve_with_sglangs_defaults(server, tmp_path, monkeypatch):
     """No --tokenizer (the served model's, from /model_info), no --ignore-eos (ignored by default), no
     --output-file (SGLang's name in the current directory), a ShareGPT file, the chat template, a cache flush."""

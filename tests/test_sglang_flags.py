@@ -22,6 +22,8 @@ from kiln.config import ServerArgs, sglang_flags_markdown
 from kiln.config_compat import FOREIGN_FLAGS, SGLANG_NATIVE_FLAGS, Shape, human_readable_int
 from kiln.loader.model_config import load_model_config
 
+pytestmark = pytest.mark.server
+
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "sglang_flags.md"
 MODEL_ID = "kiln-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -99,6 +101,7 @@ def _foreign_argv(flag: config_compat.ForeignFlag) -> list[str]:
 
 
 @pytest.mark.parametrize("flag", FOREIGN_FLAGS, ids=lambda f: f.flag)
+@pytest.mark.unit
 def test_every_sglang_flag_kiln_does_not_implement_parses_and_is_reported(parser, flag):
     args = parse(parser, _foreign_argv(flag))
     assert args == ServerArgs(foreign_flags=args.foreign_flags)  # no field of Kiln's changed
@@ -109,6 +112,7 @@ def test_every_sglang_flag_kiln_does_not_implement_parses_and_is_reported(parser
         assert parse(parser, [alias, *_foreign_argv(flag)[1:]]).foreign_flags == args.foreign_flags
 
 
+@pytest.mark.unit
 def test_every_sglang_flag_kiln_implements_is_a_flag_of_its_own(parser):
     native = {
         option: action
@@ -124,6 +128,7 @@ def test_every_sglang_flag_kiln_implements_is_a_flag_of_its_own(parser):
     assert len(foreign) + len(SGLANG_NATIVE_FLAGS) == len(foreign | set(SGLANG_NATIVE_FLAGS))
 
 
+@pytest.mark.unit
 def test_a_toggle_turned_off_and_list_values_are_kept_as_given(parser):
     args = parse(parser, ["--no-enable-tf32-matmul", "--gc-threshold", "10", "20", "--lora-paths"])
     assert args.foreign_flags == (
@@ -133,6 +138,7 @@ def test_a_toggle_turned_off_and_list_values_are_kept_as_given(parser):
     )
 
 
+@pytest.mark.unit
 def test_vllm_spellings_and_sglang_aliases(parser):
     args = parse(
         parser,
@@ -150,11 +156,13 @@ def test_vllm_spellings_and_sglang_aliases(parser):
     [("2048", 2048), ("32k", 32000), ("25.6k", 25600), ("1M", 10**6), ("1m", 10**6), ("4Ki", 4096),
      ("32K", 32768), ("1Mi", 2**20), ("-1", -1), ("2G", 2 * 10**9)],
 )  # fmt: skip
+@pytest.mark.unit
 def test_token_counts_read_as_sglang_does(text, count):
     assert human_readable_int(text) == count
 
 
 @pytest.mark.parametrize("text", ["32 k", "1.5Ki", "0.0001k", "k", "thirty"])
+@pytest.mark.unit
 def test_a_count_that_is_not_one_is_refused(parser, text):
     with pytest.raises(argparse.ArgumentTypeError):
         human_readable_int(text)
@@ -162,6 +170,7 @@ def test_a_count_that_is_not_one_is_refused(parser, text):
         parser.parse_args(["--max-total-tokens", text])
 
 
+@pytest.mark.unit
 def test_readable_counts_on_every_token_flag(parser):
     args = parse(parser, "--max-total-tokens 1M --max-prefill-tokens 16Ki --chunked-prefill-size -1".split())
     assert (args.max_total_tokens, args.max_prefill_tokens, args.chunked_prefill_size) == (10**6, 16384, -1)
@@ -175,6 +184,7 @@ def test_other_spellings_of_values(parser):
         parser.parse_args(["--dtype", "float8"])
 
 
+@pytest.mark.unit
 def test_sglang_values_kiln_does_not_take_keep_the_default_and_are_reported(parser):
     args = parse(parser, ["--schedule-policy", "priority", "--enable-metrics"])
     assert args.schedule_policy == "fcfs"
@@ -189,6 +199,7 @@ def test_sglang_values_kiln_does_not_take_keep_the_default_and_are_reported(pars
         parser.parse_args(["--kv-cache-dtype", "nvfp4"])
 
 
+@pytest.mark.unit
 def test_docs_table_is_the_generated_one():
     assert DOCS.read_text() == sglang_flags_markdown(), (
         "docs/sglang_flags.md is stale: python -m kiln.config --sglang-flags-markdown > docs/sglang_flags.md"
@@ -219,6 +230,7 @@ def offline_hub(hub_cache, monkeypatch) -> Path:
     return hub_cache
 
 
+@pytest.mark.unit
 def test_a_model_id_resolves_through_the_hub_cache(offline_hub):
     snapshot = offline_hub / ("models--" + MODEL_ID.replace("/", "--")) / "snapshots" / COMMIT
     assert load_model_config(MODEL_ID).model_path == str(snapshot)
@@ -227,6 +239,7 @@ def test_a_model_id_resolves_through_the_hub_cache(offline_hub):
     assert (args.model_path, args.served_model_name) == (str(snapshot), MODEL_ID)
 
 
+@pytest.mark.unit
 def test_a_model_id_missing_from_the_cache_is_refused_by_name(offline_hub):
     with pytest.raises(ValueError, match=f"kiln-test/absent.*{offline_hub}.*never downloads"):
         load_model_config("kiln-test/absent")
@@ -234,6 +247,7 @@ def test_a_model_id_missing_from_the_cache_is_refused_by_name(offline_hub):
         ServerArgs(model_path=MODEL_ID, revision="v2").with_defaults()
 
 
+@pytest.mark.unit
 def test_kiln_plan_plans_a_model_id_and_reports_sglang_flags(offline_hub, capsys):
     argv = ["--model-path", MODEL_ID, "--device", "cpu", "--max-total-tokens", "4k"]
     code = plan.main([*argv, "--enable-metrics", "--trust-remote-code", "--json"])
@@ -271,7 +285,6 @@ def sglang_server(hub_cache, tmp_path_factory):
         server.stop()
 
 
-@pytest.mark.slow
 def test_kiln_serves_an_sglang_launch_line(sglang_server):
     response = httpx.post(
         f"{sglang_server.url}/v1/completions",

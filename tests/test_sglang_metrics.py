@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kiln.scheduler.io import SchedulerStats
 from kiln.server.metrics import FRONT_LABELS, SCHEDULER_LABELS, Metrics, RecentRates
 
+pytestmark = pytest.mark.server
+
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = json.loads((ROOT / "tests" / "data" / "sglang_dashboard_queries.json").read_text())
 DOC = ROOT / "docs" / "metrics.md"
@@ -43,6 +45,7 @@ def sglang_stats(**counters: int) -> SchedulerStats:
 
 
 # ------------------------------------------------------------------------------------------ without a server
+@pytest.mark.unit
 def test_dashboard_copy_is_complete():
     """The copy holds every panel's queries: the figures the issue names are all among them."""
     names = {n for expr in dashboard_exprs() for n in NAME.findall(expr)}
@@ -52,6 +55,7 @@ def test_dashboard_copy_is_complete():
     assert len(dashboard_exprs()) == 14
 
 
+@pytest.mark.unit
 def test_gen_throughput_is_recent_and_decays_when_idle():
     rates = RecentRates(window=5.0)
     for t, generated in [(100.0, 0), (101.0, 50), (102.0, 100)]:
@@ -63,6 +67,7 @@ def test_gen_throughput_is_recent_and_decays_when_idle():
     assert len(rates.samples) <= 7
 
 
+@pytest.mark.unit
 def test_cache_hit_rate_is_recent_and_held_between_prompts():
     rates = RecentRates(window=5.0)
     rates.add(sglang_stats(prompt_tokens=1000, cached_tokens=0), 10.0)
@@ -77,6 +82,7 @@ def test_cache_hit_rate_is_recent_and_held_between_prompts():
     assert rates.hit_rate == pytest.approx(1.0)
 
 
+@pytest.mark.unit
 def test_close_reports_do_not_grow_the_window():
     rates = RecentRates(window=5.0)
     for i in range(1000):  # one report per millisecond for a second
@@ -85,6 +91,7 @@ def test_close_reports_do_not_grow_the_window():
     assert rates.gen_throughput(50.999) == pytest.approx(1000.0, rel=0.01)
 
 
+@pytest.mark.unit
 def test_sglang_token_usage_leaves_out_what_the_prefix_cache_could_give_back():
     """SGLang's num_used_tokens is the pool less what is free or evictable: an idle server whose prefix cache
     holds 88 tokens reads 0 (SGLang's dashboards would otherwise show a full pool once the cache fills it), while
@@ -106,6 +113,7 @@ def test_sglang_token_usage_leaves_out_what_the_prefix_cache_could_give_back():
         assert got["kiln:token_usage"] == pytest.approx(0.088)
 
 
+@pytest.mark.unit
 def test_labels_and_is_streaming():
     m = Metrics(None, "served-name")
     m.observe_output(0.0, 1.0, None, 1.0, 1, None)  # a streamed request's first token...
@@ -155,7 +163,6 @@ def scraped(server) -> str:
         time.sleep(0.1)
 
 
-@pytest.mark.slow
 def test_every_dashboard_query_finds_its_series(scraped):
     got = samples(scraped)
     for expr in dashboard_exprs():
@@ -166,7 +173,6 @@ def test_every_dashboard_query_finds_its_series(scraped):
                 assert all(label in labels for labels in got[name]), (name, label)
 
 
-@pytest.mark.slow
 def test_template_variables_have_the_served_values(scraped, server):
     served = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
     assert served
@@ -181,7 +187,6 @@ def test_template_variables_have_the_served_values(scraped, server):
         assert values == {served}, (label, values)
 
 
-@pytest.mark.slow
 def test_sglang_names_are_the_documented_ones(scraped):
     documented = documented_sglang()
     assert len(documented) >= 15, documented
@@ -192,7 +197,6 @@ def test_sglang_names_are_the_documented_ones(scraped):
     assert exported - documented == set(), f"exported but not documented: {sorted(exported - documented)}"
 
 
-@pytest.mark.slow
 def test_sglang_figures_agree_with_kilns(scraped):
     values = first_values(scraped)
     for kiln, sglang in [("kiln:prompt_tokens_total", "sglang:prompt_tokens_total"),

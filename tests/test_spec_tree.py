@@ -27,6 +27,8 @@ from kiln.speculative.ngram import NgramDrafter, TreeShape, bfs_tree
 from kiln.speculative.settings import TREE_ALGORITHMS, resolve
 from kiln.speculative.verify import Tree, verify_tree_sampled
 
+pytestmark = pytest.mark.engine
+
 NUM_DRAFT = 9
 PROMPTS = [
     list(range(300, 340)) * 3,
@@ -208,6 +210,7 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
+@pytest.mark.unit
 def test_target_only_tree_rule_keeps_the_target_distribution():
     vocab, trials = 6, 3000
     torch.manual_seed(0)
@@ -246,6 +249,7 @@ def _requests(table: ReqToTokenPool, lengths: list[int]) -> list[SimpleNamespace
     return reqs
 
 
+@pytest.mark.unit
 def test_a_chain_builds_todays_verify_batch():
     table = ReqToTokenPool(4, 64)
     reqs = _requests(table, [5, 9, 3])
@@ -264,6 +268,7 @@ def test_a_chain_builds_todays_verify_batch():
     assert fb.input_ids.tolist() == [7, 11, 12, 13, 8, 9, 14]
 
 
+@pytest.mark.unit
 def test_a_tree_row_attends_to_its_path():
     table = ReqToTokenPool(2, 64)
     (r,) = _requests(table, [4])
@@ -287,6 +292,7 @@ def test_a_tree_row_attends_to_its_path():
 
 
 # ---------------------------------------------------------------------------------------------- trees, NGRAM
+@pytest.mark.unit
 def test_tree_cut_and_follow():
     tree = DraftTree((1, 2, 3, 4, 5, 6), (-1, -1, 0, 2, 1, 4))
     assert tree.cut(6, 6) is tree
@@ -299,6 +305,7 @@ def test_tree_cut_and_follow():
     assert DraftTree.of([8, 9]) == DraftTree.chain([8, 9]) and DraftTree.of(tree) is tree
 
 
+@pytest.mark.unit
 def test_ngram_bfs_tree_follows_several_matches():
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 7, 1, 2, 3])
     tree = bfs_tree(tokens, TreeShape(1, 4, 8, 5), 1, 12)
@@ -324,6 +331,7 @@ def _resolve(architecture: str, *argv: str):
     return s.num_steps, s.topk, s.num_draft_tokens
 
 
+@pytest.mark.unit
 def test_flags_resolve_trees_with_sglang_defaults():
     assert _resolve("x", "--speculative-algorithm", "NGRAM") == (1, 10, 12)  # SGLang's BFS breadth 10
     assert _resolve("x", "--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "1") == (11, 1, 12)
@@ -344,6 +352,7 @@ def test_flags_resolve_trees_with_sglang_defaults():
     assert _resolve("LlamaForCausalLM", *standalone) == (3, 1, 4)
 
 
+@pytest.mark.unit
 def test_flags_refused_naming_the_range():
     with pytest.raises(ValueError, match="--speculative-eagle-topk 0 must be >= 1"):
         resolve(_args("--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "0"), "x")
@@ -381,6 +390,7 @@ def test_flags_refused_naming_the_range():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.unit
 def test_copy_slots_moves_every_layer_bit_for_bit(dtype):
     from kiln.memory.kv_pool import KVPool, LatentKVPool
 

@@ -22,6 +22,8 @@ from kiln.speculative.ngram import NgramDrafter, longest_suffix_match
 from kiln.speculative.settings import resolve
 from kiln.speculative.verify import Chain, verify_sampled
 
+pytestmark = pytest.mark.engine
+
 NUM_DRAFT = 6
 COPY_PROMPTS = [
     list(range(300, 340)) * 3,
@@ -220,6 +222,7 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("draft_kind", ["point", "distribution"])
+@pytest.mark.unit
 def test_speculative_sampling_keeps_the_target_distribution(draft_kind):
     vocab, trials = 6, 3000
     torch.manual_seed(0)
@@ -245,6 +248,7 @@ def test_speculative_sampling_keeps_the_target_distribution(draft_kind):
     assert _chi_square(counts, target) < 20.5
 
 
+@pytest.mark.unit
 def test_target_probs_follow_the_filters():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     row = SamplingRow(SamplingParams(temperature=1.0, top_k=2).normalize(), None, [], [])
@@ -254,6 +258,7 @@ def test_target_probs_follow_the_filters():
     assert target_probs(logits, [greedy])[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
+@pytest.mark.unit
 def test_ngram_matches_the_longest_recent_suffix():
     import numpy as np
 
@@ -269,6 +274,7 @@ def test_ngram_matches_the_longest_recent_suffix():
     assert drafter.propose([item]) == [[]]
 
 
+@pytest.mark.unit
 def test_ngram_draft_length_follows_acceptance():
     """A request proposes FIRST_BUDGET drafts, twice as many after a step that kept them all (never past the
     step's room), and the accepted count plus one after a step that rejected some."""
@@ -293,6 +299,7 @@ def _args(*argv: str) -> ServerArgs:
     return ServerArgs.from_cli(parser.parse_args(list(argv)))
 
 
+@pytest.mark.unit
 def test_flags_resolve_with_sglang_defaults():
     ngram = resolve(_args("--speculative-algorithm", "ngram"), "LlamaForCausalLM")
     assert (ngram.algorithm, ngram.num_draft_tokens, ngram.num_steps, ngram.topk) == ("NGRAM", 12, 1, 10)
@@ -305,6 +312,7 @@ def test_flags_resolve_with_sglang_defaults():
     assert resolve(_args(), "LlamaForCausalLM") is None
 
 
+@pytest.mark.unit
 def test_flags_refused_naming_the_range():
     with pytest.raises(ValueError, match="--speculative-eagle-topk 0 must be >= 1"):
         resolve(_args("--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "0"), "x")

@@ -20,10 +20,13 @@ from kiln.structured.backend import check_spec
 from kiln.structured.masks import DEAD_END_MESSAGE, batch_masks, blocked_finish
 from kiln.structured.spec import GrammarError, GrammarSpec, spec_of
 
+pytestmark = pytest.mark.server
+
 GREEDY = SamplingParams(temperature=0.0)
 
 
 # ---------------------------------------------------------------------------------------------- requests
+@pytest.mark.unit
 def test_at_most_one_constraint_named():
     SamplingParams(regex="a+").validate()
     with pytest.raises(InvalidParam) as e:
@@ -45,12 +48,14 @@ def test_at_most_one_constraint_named():
         ("regex", "[a-", "unclosed character class"),
     ],
 )
+@pytest.mark.unit
 def test_backend_refuses_what_it_cannot_enforce(kind, text, named):
     with pytest.raises(GrammarError) as e:
         check_spec(GrammarSpec(kind, text))
     assert named in str(e.value)
 
 
+@pytest.mark.unit
 def test_backend_accepts_the_usual_schema_keywords():
     schema = {
         "title": "P",
@@ -75,6 +80,7 @@ class FakeMatcher:
         return mask
 
 
+@pytest.mark.unit
 def test_blocked_rows_end_before_sampling():
     free, done, dead, ok = None, FakeMatcher([2], True), FakeMatcher([], False), FakeMatcher([5, 7], False)
     masks = batch_masks([free, done, dead, ok], [[], [2], [], [2]], 10)
@@ -85,6 +91,7 @@ def test_blocked_rows_end_before_sampling():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.unit
 def test_sampler_respects_the_mask_and_leaves_free_rows_alone(temperature):
     torch.manual_seed(0)
     logits = torch.randn(3, 64)
@@ -103,6 +110,7 @@ def test_sampler_respects_the_mask_and_leaves_free_rows_alone(temperature):
         assert out[0] == (3 if logits[0, 3] > logits[0, 40] else 40)
 
 
+@pytest.mark.unit
 def test_mask_leaves_padding_ids_out(default_model):
     from kiln.structured.backend import make_backend
     from kiln.structured.cache import GrammarCache
@@ -123,6 +131,7 @@ def test_mask_leaves_padding_ids_out(default_model):
     cache.close()
 
 
+@pytest.mark.unit
 def test_the_compile_cache_is_bounded_and_its_histogram_counts(default_model, monkeypatch):
     """A server fed ever new schemas keeps at most MAX_CACHED_GRAMMARS compiled (least recently used dropped); the
     histogram's counts are kept as they come, not recomputed per snapshot."""
@@ -196,6 +205,7 @@ class ParityGrammars:
         return future
 
 
+@pytest.mark.unit
 def test_constrained_rows_survive_retraction_beside_free_ones():
     from test_scheduler import drive, expected, final, ids, make, prompt
 
@@ -219,6 +229,7 @@ def test_constrained_rows_survive_retraction_beside_free_ones():
         assert final(outs[rid]).finish_reason == {"type": "stop", "matched": matcher.accepted[-1]}
 
 
+@pytest.mark.unit
 def test_dead_end_grammar_ends_the_request_cleanly():
     from test_scheduler import drive, final, ids, make, prompt
 
@@ -318,7 +329,6 @@ def _streamed_text(response: httpx.Response) -> tuple[str, str | None]:
     return text, finish
 
 
-@pytest.mark.slow
 def test_every_schema_parses_and_validates_streaming_or_not(server):
     cases = [(name, stream) for name in SCHEMAS for stream in (False, True)]
     with ThreadPoolExecutor(len(cases)) as pool:  # one batch: constrained rows decode together
@@ -334,7 +344,6 @@ def test_every_schema_parses_and_validates_streaming_or_not(server):
         jsonschema_rs.validate(SCHEMAS[name], json.loads(text))
 
 
-@pytest.mark.slow
 def test_constrained_and_free_requests_batch_together(server):
     free = {"text": "The capital of France is", "sampling_params": {"temperature": 0.0, "max_new_tokens": 16}}
     regex = {
@@ -362,7 +371,6 @@ def test_constrained_and_free_requests_batch_together(server):
     assert got[0]["text"] == got[3]["text"]
 
 
-@pytest.mark.slow
 def test_grammar_complete_before_min_tokens_ends_cleanly(server):
     body = {
         "text": "Say:",
@@ -374,7 +382,6 @@ def test_grammar_complete_before_min_tokens_ends_cleanly(server):
     assert out["text"] == "ab" and out["meta_info"]["finish_reason"]["type"] == "stop", out
 
 
-@pytest.mark.slow
 def test_sdk_parse_returns_the_pydantic_object(client, model):
     class City(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=16)
@@ -392,7 +399,6 @@ def test_sdk_parse_returns_the_pydantic_object(client, model):
     assert isinstance(parsed, City), completion
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -434,7 +440,6 @@ def test_refused_feature_is_a_400_naming_it(server, path, body, param):
     assert any(word in error["message"] for word in ("uniqueItems", "ipv9", "unclosed")), error
 
 
-@pytest.mark.slow
 def test_json_object_and_metrics(server):
     body = {
         "messages": CHAT_PROMPT,

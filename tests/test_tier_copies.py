@@ -4,9 +4,12 @@ by staging past its bound, and keeps the rows of the moment it was issued."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kiln.memory.tier_copies import TierCopies
+
+pytestmark = pytest.mark.unit
 
 
 class Held:

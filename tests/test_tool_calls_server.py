@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.server
 
 # renders the tools, and reads an earlier call's arguments as an object (`arguments.city`)
 TEMPLATE = (

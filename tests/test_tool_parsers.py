@@ -14,6 +14,8 @@ from kiln.config import ServerArgs
 from kiln.text.reasoning_parsers import REASONING_PARSER_NAMES
 from kiln.text.tool_parsers import CONSTRAINED, PARSER_NAMES, ToolCall, ToolCallStream, parse_tool_calls
 
+pytestmark = pytest.mark.unit
+
 TOOLS = ("get_weather", "search")
 PARIS = '{"city": "Paris", "days": [1, 2], "metric": true}'
 QUERY = '{"q": "kiln \\"ovens\\"", "limit": -1.5e2}'

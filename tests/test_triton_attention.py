@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.engine
+
 triton_attention = pytest.importorskip("kiln.layers.triton_attention")
 extend_plan = triton_attention.extend_plan
 if not triton_attention.available():
@@ -43,6 +45,7 @@ def pool(slots: int, heads: int, dim: int, dtype=torch.float32):
 @pytest.mark.parametrize("ends", [False, True], ids=["chunks-of-the-width", "chunks-of-the-row"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("hq,hk,dim", [(4, 4, 16), (8, 2, 64), (6, 2, 20)])
+@pytest.mark.unit
 def test_decode_matches_torch_attention(splits, hq, hk, dim, ends):
     """Rows of 1 to 90 slots in a table 40 columns wider than the longest (a captured step's table is as wide as
     its graph), cut into chunks of the table's width or, given the rows' ends, of each row's own slots."""
@@ -67,6 +70,7 @@ def test_decode_matches_torch_attention(splits, hq, hk, dim, ends):
     )
 
 
+@pytest.mark.unit
 def test_decode_mask_holes_and_no_mask():
     """A mask that is not a prefix (a verify row's table skips a sibling's slots; another row's last columns
     unused), with and without the rows' ends, and a table without a mask."""
@@ -86,6 +90,7 @@ def test_decode_mask_holes_and_no_mask():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hk", [(8, 2), (34, 2)], ids=["group-4", "group-17"])
+@pytest.mark.unit
 def test_decode_in_half_precision_within_its_rounding(dtype, hq, hk):
     """Half-precision decode: each KV head's query heads as tiles of a dot (17 of them take two 16-row tiles),
     the softmax weights rounded to v's dtype as flash attention rounds them, sums in float32; within the dtype's
@@ -101,6 +106,7 @@ def test_decode_in_half_precision_within_its_rounding(dtype, hq, hk):
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.unit
 def test_decode_reads_a_bfloat16_pool_in_float32():
     k_cache, v_cache = pool(50, 2, 32, torch.bfloat16)
     table = torch.arange(1, 41, device=DEVICE).view(2, 20)
@@ -156,6 +162,7 @@ def run_extend(hq, hk, dim, prefix_lens, ext_lens, dtype=torch.float32, pool_dty
 
 @pytest.mark.parametrize("gpu_tiles", [False, True], ids=["own-tiles", "gpu-half-tiles"])
 @pytest.mark.parametrize("hq,hk,dim", [(4, 2, 16), (3, 3, 24)])
+@pytest.mark.unit
 def test_extend_over_cached_prefixes_and_fresh_prompts(hq, hk, dim, gpu_tiles):
     """Three requests in one launch: a fresh prompt over more than one block of rows, one on a 50-slot prefix,
     one token on a 3-slot prefix; float32 is exact to float32's rounding, with either tile shape."""
@@ -165,6 +172,7 @@ def test_extend_over_cached_prefixes_and_fresh_prompts(hq, hk, dim, gpu_tiles):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gpu_tiles", [False, True], ids=["own-tiles", "gpu-half-tiles"])
+@pytest.mark.unit
 def test_extend_in_half_precision_within_its_rounding(dtype, gpu_tiles):
     """Half precision: q and k, then the softmax weights and v, meet in half-precision dots (a GPU's tensor cores)
     that sum in float32, as flash attention does; the output is within the dtype's rounding of float32 attention
@@ -174,6 +182,7 @@ def test_extend_in_half_precision_within_its_rounding(dtype, gpu_tiles):
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.unit
 def test_extend_reads_a_bfloat16_pool_in_float32():
     """A bfloat16 pool under a float32 model: the prefix rows are widened to float32, and the dots stay exact."""
     got, want = run_extend(4, 2, 32, [20, 9], [5, 12], dtype=torch.float32, pool_dtype=torch.bfloat16)
@@ -181,6 +190,7 @@ def test_extend_reads_a_bfloat16_pool_in_float32():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.unit
 def test_store_kv_writes_k_and_v_as_indexing_does(dtype):
     """K and V read out of one q/k/v row as the layer leaves them (k a slice of the rotated q and k, v of the
     projection), written to scattered slots in one launch: the pool as torch's indexing leaves it; a K of another
@@ -204,6 +214,7 @@ def test_store_kv_writes_k_and_v_as_indexing_does(dtype):
     assert torch.equal(k_cache, before)
 
 
+@pytest.mark.unit
 def test_a_steps_row_ends_are_computed_once_and_anew_for_an_edited_mask():
     """The backend computes the row ends at a step's first layer and hands the same tensor to the rest; a mask
     written in place since (a later step reusing it) gets its ends computed anew, another mask its own."""

@@ -19,6 +19,8 @@ from kiln.layers.activation import silu_and_mul  # noqa: E402
 from kiln.layers.norm import RMSNorm  # noqa: E402
 from kiln.layers.rotary import RotaryEmbedding  # noqa: E402
 
+pytestmark = pytest.mark.engine
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # one unit in the last place of each dtype, relative: the most a single rounding may differ by
 ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
@@ -45,12 +47,14 @@ def reference_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
 
 
 @pytest.mark.parametrize("hidden", [576, 64, 1000])
+@pytest.mark.unit
 def test_rms_norm_arithmetic_in_float32(hidden):
     x, w = randn(7, hidden), randn(hidden, seed=1)
     torch.testing.assert_close(triton_fused.rms_norm(x, w, 1e-5), reference_rms_norm(x, w, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.unit
 def test_rms_norm_and_its_residual_add_as_the_torch_code(dtype):
     norm = RMSNorm(576, 1e-5).to(DEVICE, dtype)
     norm.weight.data = randn(576, dtype=dtype, seed=2)
@@ -62,6 +66,7 @@ def test_rms_norm_and_its_residual_add_as_the_torch_code(dtype):
     assert residual.equal(randn(9, 576, dtype=dtype, seed=3))  # inputs are left as they were
 
 
+@pytest.mark.unit
 def test_rms_norm_of_strided_rows_and_heads():
     """Rows read in place out of a wider tensor (row stride 3x their width: the kernel's own stride), and q/k norm's
     heads out of the fused qkv projection, which no [rows, D] view can describe (they are copied into rows)."""
@@ -77,6 +82,7 @@ def test_rms_norm_of_strided_rows_and_heads():
 
 
 @pytest.mark.parametrize("n", [96, 1000, 2500])  # one block, one partial block, several blocks
+@pytest.mark.unit
 def test_silu_and_mul(n):
     gate_up = randn(6, 2 * n)
     gate, up = gate_up.double().chunk(2, dim=-1)
@@ -90,6 +96,7 @@ class RopeConfig:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.unit
 def test_rotary_of_q_and_k_read_out_of_qkv(dtype):
     """q and k rotated together straight out of the merged projection's output (a strided view), at scattered
     positions, as LlamaAttention rotates them."""
@@ -117,6 +124,7 @@ def torch_path(fn, *args):
         fused.MODE = saved
 
 
+@pytest.mark.unit
 def test_the_layers_choose_the_kernels_for_half_precision_only(monkeypatch):
     """RMSNorm, silu_and_mul and rotary call the fused kernels for half-precision activations where they serve
     (CUDA, or the CPU when asked), never for float32, which keeps torch's exact ops, and never when switched off."""

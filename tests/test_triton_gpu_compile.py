@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")  # its compiler and ptxas ship in Triton's wheel
 
@@ -54,6 +56,7 @@ def test_every_kernel_compiles_for_the_gpu(arch, tmp_path):
         }
 
 
+@pytest.mark.unit
 def test_an_fp8_e4m3_pool_is_refused_below_compute_capability_8_9():
     from types import SimpleNamespace
 

@@ -17,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from kiln.loader.model_config import load_model_config
 from kiln.loader.weights import load_model, safetensors_files
 
+pytestmark = pytest.mark.unit
+
 SHAPE = dict(
     vocab_size=128,
     hidden_size=32,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -407,7 +406,7 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
     if overrun:
         logger.warning(overrun)
     if device == "cpu":
-        torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))
+        torch.set_num_threads(platform.cpu_threads(args.num_threads))
     model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
     try:
         spec_settings = resolve_speculative(args, model_config.architecture)

@@ -10,6 +10,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
 import tempfile
 import time
@@ -72,9 +73,9 @@ class Launcher:
         self.args = args.with_defaults()
         self.state = ServerState(self.args, StartupState(self.args.startup_events))
         self.state.model_name = self.args.served_model_name or self.args.model_path
-        ipc_dir = tempfile.mkdtemp(prefix="kiln-")
-        self.engine_addr = f"ipc://{ipc_dir}/engine"
-        self.front_addr = f"ipc://{ipc_dir}/front"
+        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")  # the sockets' folder, removed as run() returns
+        self.engine_addr = f"ipc://{self.ipc_dir}/engine"
+        self.front_addr = f"ipc://{self.ipc_dir}/front"
         self.exit_code = 0
         self.server: _Server | None = None
         self.drain_deadline = 0.0
@@ -311,6 +312,12 @@ class Launcher:
         self.ranks.stop()
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def _run(self) -> int:
         try:  # before the engine starts: a port in use is one line, not a refusal a minute into loading
             listener = _listen(self.args.host, self.args.port)
         except OSError as e:
