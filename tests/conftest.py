@@ -117,17 +117,17 @@ def default_tokenizer_source() -> str:
 def hf_model_of_gguf(path: str):
     """transformers' own float32 model of a GGUF file, the reference the correctness tests compare with. Its
     conversion (reading the GGUF's metadata and dequantizing in Python) takes ~25 s, so the converted model is kept
-    as safetensors under ~/.cache/kiln/test-hf (kiln.loader.kept_dirs: keyed by the file and transformers' and
-    gguf's versions), and the test modules after the first load that instead: still transformers' reading of the
-    same file."""
+    as safetensors under ~/.cache/kiln/test-hf (kiln.loader.kept_dirs: keyed by the file's bytes, so every clone's
+    copy of the file finds it, and by transformers' and gguf's versions), and the test modules after the first load
+    that instead: still transformers' reading of the same file."""
     from importlib.metadata import version
 
     from transformers import AutoModelForCausalLM
 
-    from kiln.loader.kept_dirs import is_kept, keep, kept_dir
+    from kiln.loader.kept_dirs import content_kept_dir, is_kept, keep
 
     root = Path("~/.cache/kiln/test-hf").expanduser()
-    kept = kept_dir(root, path, *(f"{p} {version(p)}" for p in ("transformers", "gguf")))
+    kept = content_kept_dir(root, path, *(f"{p} {version(p)}" for p in ("transformers", "gguf")))
     if is_kept(kept):
         return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(

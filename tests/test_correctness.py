@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
+import inspect
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from conftest import default_tokenizer_source, hf_model_of_gguf
 
 import kiln
 from kiln.core.forward_batch import ForwardMode
+from kiln.loader.kept_dirs import is_kept, keep
 from kiln.loader.weights import load_model
 from kiln.runner import model_runner
 
@@ -128,14 +133,40 @@ def build_reference(path: str) -> Reference:
     prefix = make_prompt(stream, SHARED_PREFIX, 500)
     shared = [Case(prefix + make_prompt(stream, 20, 7)), Case(prefix + make_prompt(stream, 33, 170))]
     retract = [Case(make_prompt(stream, 20 + 3 * i, 13 * i + 5)) for i in range(RETRACT_N)]
+    answered = prompts + shared
+    kept = kept_reference(path, answered) if path.endswith(".gguf") else None
+    if kept is not None and is_kept(kept):
+        for case, (ref, top5) in zip(answered, json.loads((kept / "reference.json").read_text())):
+            case.ref, case.top5 = ref, top5
+        return Reference(prompts, shared, retract)
     model = load_hf(path)
     cfg_eos = model.config.eos_token_id
     eos = set(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]) - {None}
-    for case in prompts + shared:
+    for case in answered:
         case.ref, case.top5 = hf_greedy(model, case.ids, NEW_TOKENS, eos)
     del model
     gc.collect()
+    if kept is not None:
+        text = json.dumps([[case.ref, case.top5] for case in answered])
+        keep(kept, lambda d: (d / "reference.json").write_text(text))
     return Reference(prompts, shared, retract)
+
+
+def kept_reference(path: str, cases: list[Case]) -> Path:
+    """Where transformers' answers on the default model are kept (the slowest part of this module's setup): keyed by the
+    file's bytes, the versions that read and run it, the prompts and the code that decodes them, so any change to
+    one of those computes them again."""
+    from importlib.metadata import version
+
+    from kiln.loader.kept_dirs import content_kept_dir
+
+    what = json.dumps([[c.ids for c in cases], NEW_TOKENS, inspect.getsource(hf_greedy)])
+    return content_kept_dir(
+        Path("~/.cache/kiln/test-reference").expanduser(),
+        path,
+        *(f"{p} {version(p)}" for p in ("transformers", "gguf", "torch")),
+        hashlib.sha256(what.encode()).hexdigest(),
+    )
 
 
 # ---------------------------------------------------------------- fixtures
@@ -178,14 +209,18 @@ class Engines:
             self.weights[key] = load_model(cfg, dtype, device, max_positions, *args, **kw)
         return self.weights[key]
 
+    def build(self, **args) -> kiln.Engine:
+        """A new Engine on this model's shared weights, which the caller shuts down."""
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model_runner, "load_model", self._load_model)
+            return kiln.Engine(model_path=self.path, **args)
+
     def get(self, **overrides) -> kiln.Engine:
         args = {**BASE_ARGS, **overrides}
         key = tuple(sorted(args.items()))
         if key != self.key:
             self.close()
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(model_runner, "load_model", self._load_model)
-                self.engine = kiln.Engine(model_path=self.path, **args)
+            self.engine = self.build(**args)
             self.key = key
         assert self.engine is not None
         self.engine.scheduler.flush_cache()
@@ -310,8 +345,8 @@ def test_bad_sampling_params_raise_naming_the_key(engines: Engines) -> None:
     assert_idle(eng)
 
 
-def test_a_shut_down_engine_says_so(model_path: str) -> None:
-    eng = kiln.Engine(model_path=model_path, max_total_tokens=1024)
+def test_a_shut_down_engine_says_so(engines: Engines) -> None:
+    eng = engines.build(**BASE_ARGS)
     eng.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})

@@ -21,10 +21,16 @@ SCRIPT = Path(__file__).with_name("gpu_compile.py")
 
 
 @pytest.mark.parametrize("arch", [90, 89, 80], ids=["sm90-hopper", "sm89-ada", "sm80-ampere"])
-def test_every_kernel_compiles_for_the_gpu(arch, tmp_path):
+def test_every_kernel_compiles_for_the_gpu(arch):
     """Within the architecture's shared memory too (the script checks it: Triton would only at a GPU's first
-    launch), with half precision's attention dots on tensor cores."""
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    launch), with half precision's attention dots on tensor cores.
+
+    The compiled kernels are kept in Triton's own cache, as ccache keeps objects: Triton keys each by the kernel's
+    source (its jitted helpers' too), the launch's specialization, the target and the compiler's versions, so a
+    changed kernel is compiled again, and an unchanged one is read back with the shared memory and PTX the checks
+    read."""
+    cache = Path("~/.cache/kiln/test-triton").expanduser()
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(cache))
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--arch", str(arch)],
         env=env,

@@ -24,6 +24,17 @@ def kept_dir(root: Path, path: str, *converters: str) -> Path:
     return root / key
 
 
+def content_kept_dir(root: Path, path: str, *converters: str) -> Path:
+    """As kept_dir, keyed by the file's bytes instead of where it lies: a copy of the same file elsewhere (another
+    checkout's virtual environment) finds the same conversion, at the price of reading the file once."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    key = hashlib.sha256("|".join([digest.hexdigest(), *converters]).encode()).hexdigest()[:24]
+    return root / key
+
+
 def is_kept(kept: Path) -> bool:
     return (kept / DONE).is_file()
 
