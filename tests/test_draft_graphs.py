@@ -247,7 +247,7 @@ class Lines(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def graphs(paths, tmp_path_factory):
+def graphs(paths):
     """The engine with graphs on, and the lines its startup logged."""
     target, head = paths
     lines, logger = Lines(), logging.getLogger("kiln")
@@ -260,7 +260,6 @@ def graphs(paths, tmp_path_factory):
             mp.setattr(graph_runner, "_time_pair", lambda graph, eager: (graph(), eager(), (1.0, 1.0))[-1])
             eng = kiln.Engine(
                 model_path=str(target), **ARGS, **SPEC, speculative_draft_model_path=head, cuda_graph_bs=(1,),
-                compile_cache_dir=str(tmp_path_factory.mktemp("compile-cache")),
             )  # fmt: skip
     finally:
         logger.removeHandler(lines)

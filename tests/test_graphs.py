@@ -113,18 +113,11 @@ def test_padding_rows_write_and_read_only_the_padding_slot():
 
 # ---------------------------------------------------------------------------------------------- engines
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("compile-cache"))
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_llama, cache_dir):
+def engines(tiny_llama):
     common = dict(model_path=tiny_llama, max_total_tokens=4096, max_running_requests=16, num_threads=1)
     with pytest.MonkeyPatch.context() as mp:  # keep every shape: on a tiny model the payoff is noise
         mp.setattr(graph_runner, "MAX_SLOWDOWN", 1e9)
-        graphs = kiln.Engine(
-            **common, cuda_graph_bs=CAPTURED, cuda_graph_bs_prefill=PREFILL, compile_cache_dir=cache_dir
-        )
+        graphs = kiln.Engine(**common, cuda_graph_bs=CAPTURED, cuda_graph_bs_prefill=PREFILL)
     eager = kiln.Engine(**common, disable_cuda_graph=True)
     yield graphs, eager
 
@@ -262,12 +255,12 @@ def test_shared_prefix_batches_run_compiled_and_match_eager(engines, monkeypatch
     assert max(widths) == 200, widths  # the 200-token prompt, shared through the radix cache
 
 
-def test_a_shape_that_does_not_pay_runs_eagerly_and_says_so(tiny_llama, cache_dir, monkeypatch, caplog):
+def test_a_shape_that_does_not_pay_runs_eagerly_and_says_so(tiny_llama, monkeypatch, caplog):
     monkeypatch.setattr(graph_runner, "MAX_SLOWDOWN", 0.0)
     with caplog.at_level(logging.INFO, logger="kiln"):
         eng = kiln.Engine(
             model_path=tiny_llama, max_total_tokens=2048, max_running_requests=4, num_threads=1,
-            cuda_graph_bs=(2,), compile_cache_dir=cache_dir,
+            cuda_graph_bs=(2,),
         )  # fmt: skip
     assert eng.scheduler.runner.graphs.captured() == []
     assert "does not pay: this decode shape runs eagerly" in caplog.text
