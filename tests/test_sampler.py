@@ -277,3 +277,17 @@ def test_probe_and_exact_paths_agree(monkeypatch):
     monkeypatch.setattr(sampler, "TOPK_PROBE", V)  # now every row fits in the probe
     exact_calls.clear()
     assert run() == default and not exact_calls
+
+
+@pytest.mark.parametrize("penalty", [1e-200, 1e-30])  # rounds to 0 in float32; overflows the quotient
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tiny_repetition_penalty_keeps_the_logits_finite(penalty, temperature):
+    """Any penalty above 0 is valid, as in SGLang: dividing a seen token's positive logit by one too small for the
+    dtype gives the largest finite logit, not +inf (whose row would sample from NaN probabilities)."""
+    from kiln.runner.device_sampler import sample_on_device
+
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0, 0.25, 3.0]])
+    params = dict(prompt=[2, 3], output=[4], repetition_penalty=penalty, temperature=temperature)
+    for sampled in (sample(logits, [row(0, **params)]), sample_on_device(logits, [row(0, **params)])):
+        assert sampled.next_token_ids == [2]  # the seen token with the largest positive logit now wins
+    assert process_logits(logits, [row(0, **params)]).isfinite()[0, :3].all()

@@ -24,6 +24,7 @@ from kiln.core.transfer import read_back, to_device
 from kiln.runner.sampler import (
     SampleOutput,
     SamplingRow,
+    divide_finite,
     draw,
     filter_mask,
     is_plain_greedy,
@@ -154,7 +155,7 @@ def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=out.device)
         seen = seen.scatter_(1, batch.seen_ids, True)[:, :vocab]
         rep = batch.repetition.unsqueeze(-1)
-        out = torch.where(seen & (rep != 1.0), torch.where(out > 0, out / rep, out * rep), out)
+        out = torch.where(seen & (rep != 1.0), torch.where(out > 0, divide_finite(out, rep), out * rep), out)
         counts = torch.zeros(n, vocab + 1, dtype=out.dtype, device=out.device)
         counts = counts.scatter_add_(1, batch.output_ids, torch.ones_like(batch.output_ids, dtype=out.dtype))
         counts = counts[:, :vocab]

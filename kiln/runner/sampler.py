@@ -106,7 +106,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype, device=device)
         idx = torch.unique(torch.cat(rep_idx))
         vals, factor = flat[idx], rep[idx // vocab]
-        flat[idx] = torch.where(vals > 0, vals / factor, vals * factor)
+        flat[idx] = torch.where(vals > 0, divide_finite(vals, factor), vals * factor)
     if out_idx:
         freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=device)
         pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=device)
@@ -114,6 +114,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         owner = idx // vocab
         flat[idx] -= freq[owner] * counts.to(logits.dtype) + pres[owner]
     return logits
+
+
+def divide_finite(logits: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """A positive logit divided by a repetition penalty, kept finite: a penalty as small as SGLang's range allows
+    (any value above 0) can round to 0 or overflow the quotient in the logits' dtype, and one +inf logit makes
+    every probability of its row NaN."""
+    return (logits / penalty).clamp_(max=torch.finfo(logits.dtype).max)
 
 
 def apply_vocab_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
