@@ -68,14 +68,18 @@ def main() -> None:
     before = by_file(args.earlier) if args.earlier else {}
     cols = ["file", "tests", "wall s", "CPU s"] + (["earlier wall s", "earlier CPU s"] if before else [])
     print("| " + " | ".join(cols) + " |\n|---|" + "---:|" * (len(cols) - 1))
-    names = sorted(set(now) | set(before), key=lambda f: -max(now.get(f, [0, 0])[1], before.get(f, [0, 0])[1]))
+    names = sorted(
+        set(now) | set(before), key=lambda f: -max(now.get(f, [0, 0])[1], before.get(f, [0, 0])[1])
+    )
     total = [0.0] * 4
     for i, name in enumerate(names):
         n, wall, cpu = now.get(name, [0, 0.0, 0.0])
         _, wall0, cpu0 = before.get(name, [0, 0.0, 0.0])
         total = [total[0] + wall, total[1] + cpu, total[2] + wall0, total[3] + cpu0]
         if i < args.top:
-            cells = [name, f"{n:.0f}", f"{wall:.0f}", f"{cpu:.0f}"] + ([f"{wall0:.0f}", f"{cpu0:.0f}"] if before else [])
+            cells = [name, f"{n:.0f}", f"{wall:.0f}", f"{cpu:.0f}"] + (
+                [f"{wall0:.0f}", f"{cpu0:.0f}"] if before else []
+            )
             print("| " + " | ".join(cells) + " |")
     last = [f"all {len(names)} files", "", f"{total[0]:.0f}", f"{total[1]:.0f}"]
     print("| " + " | ".join(last + ([f"{total[2]:.0f}", f"{total[3]:.0f}"] if before else [])) + " |")
