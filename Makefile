@@ -24,7 +24,7 @@ test: install
 
 # the unit layer alone, for the edit-test loop
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m unit -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider --layer unit -n 2 --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check kiln tests benchmarks

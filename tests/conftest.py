@@ -39,8 +39,12 @@ def pytest_configure(config: pytest.Config) -> None:
     layers.install_guards()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    layers.check_collected(items)
+def pytest_addoption(parser: pytest.Parser) -> None:
+    layers.add_option(parser)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    layers.select_collected(config, items)
 
 
 @pytest.hookimpl(hookwrapper=True)

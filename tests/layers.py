@@ -39,13 +39,29 @@ def layer_of(item: pytest.Item) -> str | None:
     return None
 
 
-def check_collected(items: list[pytest.Item]) -> None:
+def add_option(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--layer",
+        action="append",
+        choices=LAYERS,
+        help="run only the tests of this layer (repeatable); a test's layer is its closest mark, where `-m` would "
+        "also take a unit test of a server module for a server test",
+    )
+
+
+def select_collected(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuses unmarked tests; with --layer, keeps only the tests of those layers."""
     unmarked = [item.nodeid for item in items if layer_of(item) is None]
     if unmarked:
         raise pytest.UsageError(
             f"{len(unmarked)} tests have no layer mark ({', '.join(LAYERS)}; see tests/layers.py), e.g. "
             + ", ".join(unmarked[:5])
         )
+    wanted = config.getoption("--layer")
+    if wanted:
+        kept = [item for item in items if layer_of(item) in wanted]
+        config.hook.pytest_deselected(items=[item for item in items if layer_of(item) not in wanted])
+        items[:] = kept
 
 
 def _starts_a_server(args) -> bool:
