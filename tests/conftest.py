@@ -26,7 +26,7 @@ torch.set_num_threads(
 )  # torch read the variable at import, before it was set
 # One compile cache for every test that does not test the cache itself (tests/test_graphs.py's second start gives
 # its servers a fresh one), kept between runs as a user's is, apart from the user's own: inductor keys each entry by
-# the traced graph and torch's version, so a changed model or step compiles again
+# the traced graph (its code's paths included) and torch's version, so a changed model or step compiles again
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("~/.cache/kiln/test-compile").expanduser()))
 # Triton picks its interpreter when first imported, and importing a transformers model class imports it: without a
 # GPU, Kiln's Triton kernels (tests/test_triton_attention.py) run in the interpreter, so it is chosen here first
