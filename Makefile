@@ -27,8 +27,8 @@ test-fast: install
 	$(PY) -m pytest -q -p no:cacheprovider --layer unit -n 2 --dist loadfile
 
 lint: install
-	$(VENV)/bin/ruff check kiln tests benchmarks
-	$(VENV)/bin/ruff format --check kiln tests benchmarks
+	$(VENV)/bin/ruff check kiln tests benchmarks tools
+	$(VENV)/bin/ruff format --check kiln tests benchmarks tools
 
 bench: install
 	$(PY) benchmarks/bench_core.py
