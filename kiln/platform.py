@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -111,10 +112,7 @@ def current_rss_bytes() -> int:
 def cpu_threads(requested: int | None) -> int:
     """torch's CPU threads for an engine: --num-threads, else OMP_NUM_THREADS where set (as torch and OpenMP read
     it: an operator who limits it for a host shared with other work expects it kept), else every core this
-    process may run on. Threads beyond the cores left free spin against the other processes: on 2 cores with one
-    other busy process, two threads decode ~15x slower than one."""
-    import os
-
+    process may run on. Threads beyond the cores left free spin against the other processes (docs/testing.md)."""
     if requested:
         return requested
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()

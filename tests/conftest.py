@@ -19,11 +19,9 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One torch thread in every test process and in every engine and server they start (Kiln's --num-threads default
 # reads OMP_NUM_THREADS): `make test` runs two pytest workers on two cores, and a second thread per process only
-# spins against the other worker (a default-model decode beside one busy process: ~15x slower with two threads)
+# spins against the other worker (docs/testing.md). torch read the variable at import, before it was set here.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(
-    int(os.environ["OMP_NUM_THREADS"])
-)  # torch read the variable at import, before it was set
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # One compile cache for every test that does not test the cache itself (tests/test_graphs.py's second start gives
 # its servers a fresh one), kept between runs as a user's is, apart from the user's own: inductor keys each entry by
 # the traced graph (its code's paths included) and torch's version, so a changed model or step compiles again

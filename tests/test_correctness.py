@@ -153,9 +153,9 @@ def build_reference(path: str) -> Reference:
 
 
 def kept_reference(path: str, cases: list[Case]) -> Path:
-    """Where transformers' answers on the default model are kept (the slowest part of this module's setup): keyed by the
-    file's bytes, the versions that read and run it, the prompts and the code that decodes them, so any change to
-    one of those computes them again."""
+    """Where transformers' answers on the default model are kept (the slowest part of this module's setup): keyed
+    by the file's bytes, the versions that read and run it, the prompts and the code that decodes them, so any
+    change to one of those computes them again."""
     from importlib.metadata import version
 
     from kiln.loader.kept_dirs import content_kept_dir

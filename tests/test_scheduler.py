@@ -95,8 +95,9 @@ def make(
     radix: bool = True,
     policy: str = "fcfs",
     context_len: int = 2048,
+    runner_cls: type[FakeRunner] = FakeRunner,
 ) -> Scheduler:
-    runner = FakeRunner(pool, page_size, max_running, context_len)
+    runner = runner_cls(pool, page_size, max_running, context_len)
     return Scheduler(
         runner,  # type: ignore[arg-type]
         FakeTokenizer(),
@@ -353,8 +354,7 @@ class EosFirstRunner(FakeRunner):
 @pytest.mark.parametrize("min_new", [0, 1, 5])
 def test_eos_is_banned_for_exactly_min_new_tokens(min_new: int) -> None:
     """min_new_tokens outputs come before EOS may end a request, and EOS ends it at the first step after."""
-    s = make()
-    s.runner.__class__ = EosFirstRunner
+    s = make(runner_cls=EosFirstRunner)
     p = prompt(9, 3)
     rid = add(s, p, max_new=20, min_new_tokens=min_new)
     out = drive(s)[rid]

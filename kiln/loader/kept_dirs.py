@@ -20,8 +20,7 @@ def kept_dir(root: Path, path: str, *converters: str) -> Path:
     or a new converter is converted again."""
     stat = os.stat(path)
     file = f"{os.path.realpath(path)}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}"
-    key = hashlib.sha256("|".join([file, *converters]).encode()).hexdigest()[:24]
-    return root / key
+    return _keyed(root, file, converters)
 
 
 def content_kept_dir(root: Path, path: str, *converters: str) -> Path:
@@ -31,8 +30,11 @@ def content_kept_dir(root: Path, path: str, *converters: str) -> Path:
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
-    key = hashlib.sha256("|".join([digest.hexdigest(), *converters]).encode()).hexdigest()[:24]
-    return root / key
+    return _keyed(root, digest.hexdigest(), converters)
+
+
+def _keyed(root: Path, file: str, converters: tuple[str, ...]) -> Path:
+    return root / hashlib.sha256("|".join([file, *converters]).encode()).hexdigest()[:24]
 
 
 def is_kept(kept: Path) -> bool:
