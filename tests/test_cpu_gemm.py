@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.layers import cpu_gemm
+from kiln.layers.extension_loader import extension_directory
 from kiln.loader.model_config import load_model_config
 from kiln.loader.weights import load_model
 
@@ -61,10 +62,8 @@ def test_a_build_lock_left_by_a_killed_build_is_removed():
     """torch's `lock` file in the kernel's build directory, as a process killed mid-build leaves it: the next start
     removes it and loads the kernel instead of waiting on it forever. A second start while one holds Kiln's own
     lock waits for it, and says so."""
-    from torch.utils import cpp_extension
-
     cpu_gemm.blocked_kernel()  # built: the starts below only load it
-    directory = cpp_extension._get_build_directory("kiln_blocked_gemm", verbose=False)
+    directory = extension_directory("kiln_blocked_gemm", cpu_gemm._SOURCES)
     stale = os.path.join(directory, "lock")
     open(stale, "w").close()
     try:

@@ -7,6 +7,7 @@ kernel module can use another's kernels without an import cycle.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 
@@ -14,6 +15,22 @@ logger = logging.getLogger("kiln")
 
 # the float32 kernels' flags: built for AVX2 and FMA throughout (their callers check the CPU first)
 DEFAULT_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+
+
+def extension_directory(name: str, sources: list[str] | tuple[str, ...]) -> str:
+    """The extension's build directory: one per torch installation and source location, under torch's own
+    directory for `name` (TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions). torch's loader keys a build by the
+    name alone, and its build file holds the sources' and torch's absolute paths: two checkouts or two virtual
+    environments of one user would then rebuild each other's kernels at every switch (a minute of compiling
+    inside whichever start came next). A few megabytes per checkout is the price."""
+    import torch
+    from torch.utils import cpp_extension
+
+    where = "\n".join([os.path.dirname(torch.__file__), *map(os.path.abspath, sources)])
+    key = hashlib.sha256(where.encode()).hexdigest()[:12]
+    directory = os.path.join(cpp_extension._get_build_directory(name, verbose=False), key)
+    os.makedirs(directory, exist_ok=True)
+    return directory
 
 
 def load_extension(
@@ -27,8 +44,8 @@ def load_extension(
     instruction sets per function is built without global -m flags)."""
     from torch.utils import cpp_extension
 
-    directory = build_directory or cpp_extension._get_build_directory(name, verbose=False)
-    os.makedirs(directory, exist_ok=True)
+    directory = build_directory or extension_directory(name, sources)
+    os.makedirs(directory, exist_ok=True)  # a directory given by the caller
     with open(os.path.join(directory, "kiln.flock"), "w") as held:
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import kiln.layers.cpu_gemm as cpu_gemm
 import kiln.layers.int_gemm as int_gemm
+from kiln.layers.extension_loader import extension_directory
 from kiln.platform import cpu_runs_kiln_kernel, integer_compute
 
 logger = logging.getLogger("kiln")
@@ -77,10 +78,8 @@ def kernels_for(cpu_gemm_mode: str, quantization: str | None = None) -> tuple[Ke
 
 
 def build_directory(kernel: Kernel) -> str:
-    """torch's build directory of the extension (under TORCH_EXTENSIONS_DIR when set)."""
-    from torch.utils import cpp_extension
-
-    return cpp_extension._get_build_directory(kernel.name, verbose=False)
+    """The extension's build directory (under TORCH_EXTENSIONS_DIR when set)."""
+    return extension_directory(kernel.name, kernel.sources)
 
 
 def _library_mtime(kernel: Kernel) -> float | None:
