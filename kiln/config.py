@@ -46,6 +46,14 @@ def check_counts(
             raise ValueError(message)
 
 
+def compute_capability_tuple(text: str) -> tuple[int, int]:
+    """--compute-capability "X.Y" as (X, Y). Raises ValueError naming the flag."""
+    major, dot, minor = text.strip().partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise ValueError(f"--compute-capability {text}: give it as X.Y, e.g. 9.0 (H100) or 8.0 (A100)")
+    return int(major), int(minor)
+
+
 def check_mem_fraction_static(value: float | None) -> None:
     """The one rule for --mem-fraction-static: a fraction in (0, 1); 1 would leave nothing for activations."""
     if value is not None and not 0.0 < value < 1.0:
@@ -277,6 +285,17 @@ class ServerArgs:
     )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")
+    device_name: str | None = _f(
+        None,
+        "the GPU to plan for, from Kiln's table (H100, H200, B200, A100, L40S, RTX 4090, ...: its memory, compute "
+        "capability and bandwidth), so that `kiln plan` describes a GPU it does not run on; `kiln serve` checks it "
+        "names the GPU it finds",
+    )
+    compute_capability: str | None = _f(
+        None,
+        "the CUDA compute capability X.Y to plan for (default: the GPU's, or --device-name's; a plan for --device "
+        "cuda without either assumes 9.0 and says so)",
+    )
     host_memory: str | None = _f(None, "host RAM to plan for, e.g. 512GiB (default: probed)")
     enable_hierarchical_cache: bool = _f(
         False, "keep evicted prefixes in a host-memory tier", aliases=("--enable-hicache",)
@@ -357,6 +376,11 @@ class ServerArgs:
         if self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
         self._check_nodes()
+        if self.compute_capability is not None:
+            compute_capability_tuple(self.compute_capability)
+        if self.device == "cpu" and (self.device_name or self.compute_capability):
+            given = "--device-name" if self.device_name else "--compute-capability"
+            raise ValueError(f"{given} describes a GPU, and --device cpu asks for the CPU: drop one of them")
         for flag, sizes in (
             ("--cuda-graph-bs", self.cuda_graph_bs),
             ("--cuda-graph-bs-prefill", self.cuda_graph_bs_prefill),
@@ -391,11 +415,6 @@ class ServerArgs:
             raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
         if self.tp_size % self.nnodes:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
-
-    def serve_refusal(self) -> str | None:
-        """Why `kiln serve` cannot run these arguments although they are valid (`kiln plan` can plan them); None
-        when it can."""
-        return None
 
     def request_byte_limit(self, context_len: int) -> int:
         """--max-request-bytes, or its default for this context length (see the flag's help)."""

@@ -14,15 +14,11 @@ from pathlib import Path
 
 from kiln.config import ServerArgs
 from kiln.config_compat import foreign_flag_messages
-from kiln.loader.model_config import read_hf_config
-from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal, format_table, format_verdict, ledger_json
-from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.memory.model_shapes import context_overrun
-from kiln.scheduler.launch import model_refusal, storage_refusal
-from kiln.speculative.settings import with_speculation
+from kiln.platform import Platform
+from kiln.scheduler.resolve import Deployment, resolve, target_platform
 
-__all__ = ["add_arguments", "format_refusal", "ledger_for_args", "main", "register", "run"]
+__all__ = ["add_arguments", "deployment_for_args", "format_refusal", "main", "register", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,18 +36,29 @@ def register(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def ledger_for_args(args: ServerArgs) -> Ledger:
-    """The ledger `kiln serve` would compute for these arguments. Raises ValueError for unusable ones, as
-    `kiln serve` refuses them: a --tp-size that cannot split the model, a flag a hybrid model cannot take."""
-    hf_config = read_hf_config(args.model_path)
-    refusal = model_refusal(args, hf_config) or storage_refusal(args, keep=False)
-    if refusal is not None:
-        raise ValueError(refusal)
-    ledger = compute_ledger(with_speculation(LedgerInputs.from_args(args, hf_config), args))
-    overrun = context_overrun(hf_config, args.context_length)
-    if overrun:  # the ledger refused it unless SGLang's switch allows it: serve warns, so does the plan
-        print(f"kiln plan: warning: {overrun}", file=sys.stderr)
-    return ledger
+def deployment_for_args(args: ServerArgs) -> Deployment:
+    """What `kiln serve` would resolve for these arguments, on the platform they describe (this machine's device,
+    or a GPU named by --device-name or --compute-capability). Raises StartupRefused as serve refuses them, with
+    the same words; says on stderr what the platform had to assume and what serve would warn of."""
+    target = target_platform(args, serving=False)
+    deployment = resolve(args, target)
+    for assumption in target.assumed:
+        print(f"kiln plan: note: assumed {assumption}", file=sys.stderr)
+    for warning in deployment.warnings:  # the ledger refused these unless SGLang's switch allows them
+        print(f"kiln plan: warning: {warning}", file=sys.stderr)
+    return deployment
+
+
+def platform_json(target: Platform) -> dict:
+    """The platform a plan was made for, in --json: what it names, and what it assumed."""
+    capability = None if target.capability is None else "{}.{}".format(*target.capability)
+    return {
+        "device": target.device,
+        "name": target.name,
+        "compute_capability": capability,
+        "this_machine": target.here,
+        "assumed": list(target.assumed),
+    }
 
 
 def print_foreign_flags(args: ServerArgs) -> None:
@@ -68,17 +75,24 @@ def run(namespace: argparse.Namespace) -> int:
         given = ServerArgs.from_cli(namespace)
         print_foreign_flags(given)
         args = given.with_defaults()
-        ledger = ledger_for_args(args)
-    except (ValueError, KeyError, TypeError, OSError) as e:  # OSError: no default model installed
+        deployment = deployment_for_args(args)
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        OSError,
+    ) as e:  # StartupRefused is a ValueError; OSError: no model
         print(f"kiln plan: error: {e}", file=sys.stderr)
         return 2
+    ledger = deployment.ledger
     if namespace.json:
-        print(ledger_json(ledger))
+        print(ledger_json(ledger, platform=platform_json(deployment.platform)))
     else:
         # a Hugging Face id by its name, not by the hash its snapshot directory is named after
         hub_id = given.model_path if given.model_path and given.model_path != args.model_path else None
         name = hub_id or Path(args.model_path).name or args.model_path
-        title = f"Kiln memory plan for {name}: {ledger.device}, tp {ledger.tp_size}, per rank (GiB = 2^30 B)"
+        device = ledger.device if deployment.platform.here else deployment.platform.name
+        title = f"Kiln memory plan for {name}: {device}, tp {ledger.tp_size}, per rank (GiB = 2^30 B)"
         print(format_table(ledger, title))
         print(format_verdict(ledger))
     return 0 if ledger.fits else 1

@@ -1,10 +1,12 @@
-"""Device detection and memory probing (cgroup-aware on the host)."""
+"""Device detection and memory probing (cgroup-aware on the host), and the Platform a deployment targets: this
+machine's device, or a GPU described to `kiln plan` that it does not run on."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -25,6 +27,68 @@ def detect_device() -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     except Exception:  # pragma: no cover - torch missing or broken
         return "cpu"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What a deployment runs on, as every derived setting and refusal reads it: the device kind, its name, CUDA
+    compute capability (None on the CPU), its memory where it is described rather than probed, whether Triton's
+    kernels can run there, and whether it is this machine's own device (`here`) or one described for a plan.
+    `assumed` lists what a plan had to assume, each with the flag that removes the assumption."""
+
+    device: str  # "cpu" | "cuda"
+    name: str
+    capability: tuple[int, int] | None = None
+    memory_bytes: int | None = None  # a described GPU's; None: probed here
+    triton: bool = False
+    here: bool = True
+    assumed: tuple[str, ...] = ()
+
+
+def machine_platform(device: str = "auto") -> Platform:
+    """This machine's platform for --device `device` (auto: CUDA when usable). --device cuda on a machine
+    without a usable GPU is not here: serve refuses it, plan plans it."""
+    import torch
+
+    triton = importlib.util.find_spec("triton") is not None
+    kind = detect_device() if device == "auto" else device
+    if not kind.startswith("cuda"):
+        return Platform("cpu", "cpu", triton=triton)
+    if not torch.cuda.is_available():
+        return Platform("cuda", "cuda", triton=triton, here=False)
+    return Platform(
+        "cuda", torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability()), triton=triton
+    )
+
+
+ASSUMED_CAPABILITY = (9, 0)  # a plan for an unnamed GPU: the deployments' H100 and H200
+
+
+def planned_platform(device: str, device_name: str | None, capability: tuple[int, int] | None) -> Platform:
+    """The platform a plan targets: this machine's device, unless --device-name (a GPU from Kiln's table) or
+    --compute-capability describe another, or --device cuda asks for a GPU this machine lacks (then compute
+    capability 9.0 is assumed, and `assumed` says so)."""
+    from kiln.core.devices import device_spec, same_device
+
+    described = device_name is not None or capability is not None
+    here = machine_platform("cuda" if described else device)
+    if here.here and here.device == "cpu":  # neither a GPU named nor --device cuda
+        return here
+    if here.here and (device_name is None or same_device(device_name, here.name)):
+        if capability in (None, here.capability):  # this machine's own GPU
+            return here
+    if device_name is not None:
+        spec = device_spec(device_name)
+        return Platform("cuda", spec.name, capability or spec.capability, spec.memory_bytes, True, here=False)
+    assumed = ()
+    if capability is None:
+        capability = ASSUMED_CAPABILITY
+        assumed = (
+            f"compute capability {capability[0]}.{capability[1]} (an H100 or H200: FP8 weights kept, fp8_e4m3 KV "
+            "read by Triton); give --device-name or --compute-capability for another GPU",
+        )
+    # CUDA builds of torch ship Triton: a plan made where it is missing describes the server, not this machine
+    return Platform("cuda", "cuda", capability, None, True, here=False, assumed=assumed)
 
 
 def _read_int(path: Path) -> int | None:
@@ -179,23 +243,20 @@ def int8_kernels(mode: str) -> bool:
     return check_cpu_gemm(mode) != "onednn" and cpu_runs_kiln_kernel()
 
 
-def fp8_weights_kept(device: str, load_format: str = "auto") -> bool:
-    """Whether an FP8 block-quantized checkpoint keeps its weights in FP8 on `device` (kiln.layers.fp8_linear)
+def fp8_weights_kept(target: Platform, load_format: str = "auto") -> bool:
+    """Whether an FP8 block-quantized checkpoint keeps its weights in FP8 on `target` (kiln.layers.fp8_linear)
     rather than dequantized at load: never for --load-format dummy (random weights in the serving dtype);
     KILN_FP8_WEIGHTS=keep everywhere (the CPU runs the kernels in Triton's interpreter, for tests), dequantize
     nowhere; auto on CUDA with Triton (the kernels are Triton's) from compute capability 8.9, where Triton
-    converts e4m3 (an A100 dequantizes), and on CUDA planned from a machine without a GPU (the deployments' H100
-    and H200)."""
+    converts e4m3 (an A100 dequantizes)."""
     if load_format == "dummy":
         return False
     mode = envs.fp8_weights()
     if mode != "auto":
         return mode == "keep"
-    if not device.startswith("cuda") or importlib.util.find_spec("triton") is None:
+    if target.device != "cuda" or not target.triton:
         return False
-    import torch
-
-    return not torch.cuda.is_available() or torch.cuda.get_device_capability(device) >= (8, 9)
+    return target.capability is not None and target.capability >= (8, 9)
 
 
 def attention_interpreted(device: str, attention_backend: str | None) -> bool:

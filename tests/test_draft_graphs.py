@@ -88,7 +88,7 @@ def test_the_ledger_counts_the_verify_shapes_and_the_draft_steps(paths, device) 
         CUDA_BYTES_PER_FUSED_GRAPH,
         CUDA_BYTES_PER_GRAPH,
     )
-    from kiln.scheduler.launch import plan_ledger
+    from kiln.scheduler.resolve import plan_ledger
 
     target, head = paths
     base = dict(model_path=str(target), device=device, device_memory="16GiB", cuda_graph_bs=(1, 2, 4))
@@ -144,7 +144,7 @@ def test_the_ledger_counts_a_heads_guess_slots(paths) -> None:
     request's guesses above them: topk x (steps + 1) slots of the head's KV each, a line the headroom pays for. A
     draft model (STANDALONE) drafts within its pool's tokens, so it has no such line."""
     from kiln.config import ServerArgs
-    from kiln.scheduler.launch import plan_ledger
+    from kiln.scheduler.resolve import plan_ledger
 
     target, head = paths
     base = dict(model_path=str(target), device="cpu", device_memory="16GiB", max_running_requests=4)

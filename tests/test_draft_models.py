@@ -517,7 +517,7 @@ def test_engine_eagle3_matches_plain(target_dir: Path, engine_plain, tmp_path, m
 
 def test_engine_refuses_another_vocabulary(target_dir: Path, tmp_path) -> None:
     import kiln
-    from kiln.scheduler.launch import StartupRefused
+    from kiln.scheduler.resolve import StartupRefused
 
     config = json.loads((target_dir / "config.json").read_text())
     other = tmp_path / "other"
@@ -616,7 +616,7 @@ def test_the_ledger_counts_the_nextn_heads_kv(deepseek_dir: Path, deepseek) -> N
     """NEXTN's head mirrors the target's slots on a latent pool of its own, one target layer's KV per token, and
     holds its guesses above them: the ledger counts both (the model has no draft config to read them from)."""
     from kiln.config import ServerArgs
-    from kiln.scheduler.launch import plan_ledger
+    from kiln.scheduler.resolve import plan_ledger
     from kiln.speculative.nextn import build_nextn_drafter
 
     base = dict(model_path=str(deepseek_dir), device="cpu", device_memory="16GiB", max_running_requests=4)
@@ -656,7 +656,7 @@ def test_the_ledger_counts_the_draft(target_dir: Path, target: ModelRunner) -> N
     """`kiln plan` and serve count the draft's weights and its KV per token; the loaded draft holds that much."""
     from kiln.config import ServerArgs
     from kiln.memory.model_shapes import kv_bytes_per_token, weight_bytes
-    from kiln.scheduler.launch import plan_ledger
+    from kiln.scheduler.resolve import plan_ledger
     from kiln.speculative.draft_model import build_standalone_drafter
     from kiln.text.tokenizer import load_tokenizer
 

@@ -5,6 +5,7 @@ FP8 checkpoint held both ways is tests/test_deepseek.py's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -192,17 +193,22 @@ def test_where_fp8_weights_are_kept(monkeypatch):
     from kiln import platform
     from kiln.core.envs import EnvError
 
+    cpu = platform.Platform("cpu", "cpu", triton=True)
+    h100 = platform.Platform("cuda", "H100", (9, 0), triton=True, here=False)
+    a100 = platform.Platform("cuda", "A100", (8, 0), triton=True, here=False)
     monkeypatch.delenv("KILN_FP8_WEIGHTS", raising=False)
-    assert not platform.fp8_weights_kept("cpu")
-    if not torch.cuda.is_available():  # a CUDA plan made here: the deployments' H100 / H200 keep them
-        assert platform.fp8_weights_kept("cuda")
+    assert not platform.fp8_weights_kept(cpu)
+    assert platform.fp8_weights_kept(h100)  # Triton converts e4m3 from 8.9 on
+    assert not platform.fp8_weights_kept(a100)
+    assert not platform.fp8_weights_kept(replace(h100, triton=False))  # the kernels are Triton's
+    assert not platform.fp8_weights_kept(h100, "dummy")
     monkeypatch.setenv("KILN_FP8_WEIGHTS", "keep")
-    assert platform.fp8_weights_kept("cpu")
+    assert platform.fp8_weights_kept(cpu)
     monkeypatch.setenv("KILN_FP8_WEIGHTS", "dequantize")
-    assert not platform.fp8_weights_kept("cuda")
+    assert not platform.fp8_weights_kept(h100)
     monkeypatch.setenv("KILN_FP8_WEIGHTS", "sometimes")
     with pytest.raises(EnvError, match="auto, keep, dequantize"):
-        platform.fp8_weights_kept("cpu")
+        platform.fp8_weights_kept(cpu)
 
 
 @pytest.mark.unit
@@ -259,7 +265,7 @@ def test_a_tp_size_that_cuts_the_fp8_blocks_is_refused_before_launch(monkeypatch
     (SGLang refuses it too). Whole experts per rank (--ep-size 8) or the weights dequantized serve it."""
     from types import SimpleNamespace
 
-    from kiln.scheduler.launch import tp_refusal
+    from kiln.scheduler.resolve import tp_refusal
 
     monkeypatch.delenv("KILN_FP8_WEIGHTS", raising=False)
     config = {
@@ -267,21 +273,22 @@ def test_a_tp_size_that_cuts_the_fp8_blocks_is_refused_before_launch(monkeypatch
         "moe_intermediate_size": 768, "num_experts": 128,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     }  # fmt: skip
-    args = SimpleNamespace(device="cuda", tp_size=8, ep_size=1, load_format="auto")
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("this GPU dequantizes FP8 weights: nothing to cut")
-    refusal = tp_refusal(args, config)
+    from kiln.platform import Platform
+
+    args = SimpleNamespace(tp_size=8, ep_size=1, load_format="auto")
+    h100 = Platform("cuda", "H100", (9, 0), triton=True, here=False)
+    refusal = tp_refusal(args, config, h100)
     assert (
         "moe_intermediate_size 768 (/ 8 = 96 per rank, not a multiple of the FP8 weight block 128)" in refusal
     )
     assert "sizes that work: 1, 2;" in refusal and "KILN_FP8_WEIGHTS=dequantize" in refusal
-    assert tp_refusal(SimpleNamespace(**{**vars(args), "ep_size": 8}), config) is None
-    assert (
-        tp_refusal(SimpleNamespace(**{**vars(args), "load_format": "dummy"}), config) is None
-    )  # bfloat16 drawn
-    assert tp_refusal(SimpleNamespace(**{**vars(args), "device": "cpu"}), config) is None  # dequantized there
+    assert tp_refusal(SimpleNamespace(**{**vars(args), "ep_size": 8}), config, h100) is None
+    dummy = SimpleNamespace(**{**vars(args), "load_format": "dummy"})
+    assert tp_refusal(dummy, config, h100) is None  # bfloat16 drawn
+    assert tp_refusal(args, config, Platform("cpu", "cpu", triton=True)) is None  # dequantized there
+    assert tp_refusal(args, config, replace(h100, name="A100", capability=(8, 0))) is None  # and there
     monkeypatch.setenv("KILN_FP8_WEIGHTS", "dequantize")
-    assert tp_refusal(args, config) is None
+    assert tp_refusal(args, config, h100) is None
 
 
 @pytest.mark.unit

@@ -379,7 +379,7 @@ def test_format_refusal_matches_the_plan_verdict(model_dir):
     args = ServerArgs.from_cli(
         _parse(["--model-path", model_dir(LLAMA_70B), "--device", "cpu", "--device-memory", "16GiB"])
     )
-    ledger = plan.ledger_for_args(args)
+    ledger = plan.deployment_for_args(args).ledger
     text = plan.format_refusal(ledger)
     assert text.startswith("Kiln will not start: memory would run out at weight loading (load_weights).")
     assert ledger.failure.message in text and ledger.failure.fix in text

@@ -19,7 +19,8 @@ from kiln.loader.model_config import read_hf_config
 from kiln.memory.fix_search import flags_argv, offered_fixes, serve_accepts
 from kiln.memory.ledger import compute_core, compute_ledger
 from kiln.memory.ledger_types import LedgerInputs
-from kiln.scheduler.launch import StartupRefused, build_engine, plan_ledger
+from kiln.scheduler.launch import build_engine
+from kiln.scheduler.resolve import StartupRefused, plan_ledger, resolve, target_platform
 
 pytestmark = pytest.mark.engine
 
@@ -88,7 +89,7 @@ def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flag
     for fix in fixes:
         assert serve_accepts(fix.flags)
         fixed = serve_args(argv + flags_argv(fix.flags))  # the later flag wins, as on a command line
-        assert fixed.serve_refusal() is None
+        resolve(fixed, target_platform(fixed, serving=False)).check_fits()  # the whole resolve path runs it
         assert compute_ledger(LedgerInputs.from_args(fixed, inputs.hf_config)).fits, fix.text
     rc, data = plan_json(capsys, argv)
     assert rc == 1 and data["failure"]["fix_flags"] == fixes[0].flags
@@ -126,6 +127,7 @@ def same_ledger(capsys, argv: list[str]) -> dict:
     """Plan's --json ledger, checked against the one serve computes before loading; returns it."""
     rc, planned = plan_json(capsys, argv)
     verdict = planned.pop("verdict")
+    planned.pop("platform")
     served = plan_ledger(serve_args(argv)).ledger
     assert planned == json.loads(json.dumps(served.to_dict()))
     assert rc == (0 if served.fits else 1) and verdict == ("fits" if served.fits else "does_not_fit")

@@ -116,7 +116,8 @@ def test_tp_size_that_does_not_divide_is_refused(default_model, tmp_path):
 def test_in_process_engine_refuses_several_ranks():
     """kiln.Engine is one process: it refuses --tp-size 2 before reading the model instead of running one rank."""
     from kiln.config import ServerArgs
-    from kiln.scheduler.launch import StartupRefused, build_engine
+    from kiln.scheduler.launch import build_engine
+    from kiln.scheduler.resolve import StartupRefused
 
     with pytest.raises(StartupRefused, match="one process per rank"):
         build_engine(ServerArgs(model_path="/nonexistent", tp_size=2))

@@ -66,7 +66,7 @@ def test_every_kernel_compiles_for_the_gpu(arch):
 def test_an_fp8_e4m3_pool_is_refused_below_compute_capability_8_9():
     from types import SimpleNamespace
 
-    from kiln.scheduler.launch import attention_refusal
+    from kiln.scheduler.resolve import attention_refusal
 
     args, llama = SimpleNamespace(attention_backend="triton"), SimpleNamespace(mla=None)
     refusal = attention_refusal(args, llama, "fp8_e4m3", (8, 0))

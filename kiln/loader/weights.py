@@ -74,7 +74,11 @@ def fp8_block(cfg: ModelConfig, device: str, load_format: str) -> tuple[int, int
     """The weight block of an FP8 checkpoint whose weights stay in FP8 on `device` (kiln.platform.
     fp8_weights_kept); None where the checkpoint is not FP8 or is dequantized at load."""
     quant = cfg.config_dict.get("quantization_config")
-    if cfg.is_gguf or not fp8.is_fp8_config(quant) or not platform.fp8_weights_kept(device, load_format):
+    if (
+        cfg.is_gguf
+        or not fp8.is_fp8_config(quant)
+        or not platform.fp8_weights_kept(platform.machine_platform(device), load_format)
+    ):
         return None
     return fp8.block_size(quant)
 

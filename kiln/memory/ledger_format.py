@@ -61,7 +61,8 @@ def format_refusal(ledger: Ledger) -> str:
     )
 
 
-def ledger_json(ledger: Ledger) -> str:
+def ledger_json(ledger: Ledger, **extra: object) -> str:
+    """The ledger as JSON with its verdict, and the `extra` keys (`kiln plan --json`'s platform)."""
     data = ledger.to_dict()
     data["verdict"] = "fits" if ledger.fits else "does_not_fit"
-    return json.dumps(data, indent=2)
+    return json.dumps({**data, **extra}, indent=2)

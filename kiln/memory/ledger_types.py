@@ -77,11 +77,17 @@ class LedgerInputs:
     int8_linears: bool = False
 
     @classmethod
-    def from_args(cls, args: ServerArgs, hf_config: dict) -> LedgerInputs:
-        """What `kiln serve` and `kiln plan` ask the ledger for these flags and this model config: the device and
-        dtypes resolved, memory probed unless given. Raises ValueError for what cannot be planned."""
-        device = platform.detect_device() if args.device == "auto" else args.device
-        total, available = _device_memory(args, device)
+    def from_args(
+        cls, args: ServerArgs, hf_config: dict, target: platform.Platform | None = None
+    ) -> LedgerInputs:
+        """What `kiln serve` and `kiln plan` ask the ledger for these flags and this model config on `target`
+        (default: this machine's device for --device): the device and dtypes resolved, memory probed unless
+        given or described. Raises ValueError for what cannot be planned."""
+        target = target or platform.planned_platform(
+            args.device, getattr(args, "device_name", None), _capability(args)
+        )
+        device = target.device
+        total, available = _device_memory(args, target)
         dtype = resolve_dtype_name(hf_config, device, args.dtype)
         # only the CPU kernel keeps GGUF blocks; --cpu-gemm does not concern a CUDA plan
         blocks = platform.gguf_block_types(args.cpu_gemm) if device == "cpu" else ()
@@ -122,24 +128,36 @@ class LedgerInputs:
             max_mamba_cache_size=args.max_mamba_cache_size,
             mamba_track_interval=args.mamba_track_interval,
             gguf_block_types=blocks,
-            fp8_weights_kept=platform.fp8_weights_kept(device, args.load_format),
+            fp8_weights_kept=platform.fp8_weights_kept(target, args.load_format),
             integer_kernels=bool(blocks) and platform.integer_compute(args.cpu_gemm),
             int8_linears=_int8_linears(args, device),
             draft_hf_config=_draft_config(args),
         )
 
 
+def _capability(args: ServerArgs) -> tuple[int, int] | None:
+    from kiln.config import compute_capability_tuple
+
+    given = getattr(args, "compute_capability", None)  # tests' stand-ins for ServerArgs may lack it
+    return compute_capability_tuple(given) if given else None
+
+
 def _int8_linears(args: ServerArgs, device: str) -> bool:
     return device == "cpu" and args.quantization == "int8" and platform.int8_kernels(args.cpu_gemm)
 
 
-def _device_memory(args: ServerArgs, device: str) -> tuple[int, int]:
-    """(total, available) bytes per rank. A given --device-memory plans for an empty device; CPU ranks share one
-    machine's RAM."""
+def _device_memory(args: ServerArgs, target: platform.Platform) -> tuple[int, int]:
+    """(total, available) bytes per rank. A given --device-memory, or a GPU described by --device-name, plans for
+    an empty device; CPU ranks share one machine's RAM."""
+    device = target.device
     if args.device_memory:
         total = available = platform.parse_size(args.device_memory)
-    elif device.startswith("cuda") and platform.detect_device() != "cuda":
-        raise ValueError("--device cuda on a machine without CUDA: give --device-memory (e.g. 80GiB)")
+    elif target.memory_bytes is not None:
+        total = available = target.memory_bytes
+    elif not target.here:
+        raise ValueError(
+            "--device cuda on a machine without CUDA: give --device-name (e.g. H100) or --device-memory (e.g. 80GiB)"
+        )
     else:
         total, available = platform.total_memory_bytes(device), platform.available_memory_bytes(device)
     if device == "cpu" and args.tp_size > 1:

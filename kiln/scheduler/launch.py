@@ -6,45 +6,33 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-import kiln.core.sharding as sharding
 import kiln.distributed as distributed
 import kiln.memory.storage_tier as storage_tier
 import kiln.platform as platform
 from kiln.config import ServerArgs
-from kiln.core.dtypes import kv_cache_dtype_name, kv_torch_dtype, torch_dtype
-from kiln.core.layer_kinds import has_linear_attention
+from kiln.core.dtypes import kv_torch_dtype, torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
-from kiln.layers.fp8_linear import FIX as FP8_FIX
 from kiln.layers.kernel_builds import build_kernels, kernels_for
-from kiln.loader.model_config import read_hf_config, resolve_model_path
 from kiln.memory.kv_pool import copyable
-from kiln.memory.ledger import compute_ledger
-from kiln.memory.ledger_format import format_refusal, format_table
-from kiln.memory.ledger_types import Ledger, LedgerInputs, storage_dir
-from kiln.memory.model_shapes import context_len_of, context_overrun, fp8_weight_block
+from kiln.memory.ledger_format import format_table
+from kiln.memory.ledger_types import Ledger, storage_dir
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
-from kiln.models.registry import check_model_config
 from kiln.runner.model_runner import ModelRunner, PoolSizes
+from kiln.scheduler.resolve import Deployment, MemoryPlan, StartupRefused, resolve, target_platform
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.spec_step import SpecDecoder
 from kiln.speculative.base import Drafter
-from kiln.speculative.checks import draft_refusal
-from kiln.speculative.settings import SpecSettings, with_speculation
-from kiln.speculative.settings import resolve as resolve_speculative
+from kiln.speculative.settings import SpecSettings
 from kiln.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kiln")
 
 OnPhase = Callable[[str, dict], None]
-
-
-class StartupRefused(RuntimeError):
-    """The configuration does not fit, or serve cannot run it yet; raised before anything large is allocated."""
 
 
 @dataclass
@@ -55,118 +43,6 @@ class EngineParts:
     ledger: Ledger
     args: ServerArgs
     device: str
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """What serve decides before it loads anything: the ledger, and the inputs it was computed from (the device
-    and the dtypes resolved, memory probed), which the load then follows."""
-
-    inputs: LedgerInputs
-    ledger: Ledger
-
-
-def plan_ledger(args: ServerArgs, hf_config: dict | None = None) -> MemoryPlan:
-    """Serve's memory plan for these arguments (`kiln plan` computes the same ledger). Raises ValueError."""
-    config = hf_config if hf_config is not None else read_hf_config(args.model_path)
-    inputs = _agreed(with_speculation(LedgerInputs.from_args(args, config), args))
-    return MemoryPlan(inputs, compute_ledger(inputs))
-
-
-def _agreed(inputs: LedgerInputs) -> LedgerInputs:
-    """With several ranks, the memory every rank can hold (a MIN all-reduce of what each probed), so that every
-    rank computes the same ledger and allocates the same pool before anything is allocated. The host RAM the
-    hierarchical cache's node budget is checked against is agreed the same way: no rank allocates a host tier
-    that another rank's view of the node would refuse."""
-    host = inputs.host_memory_bytes
-    total, available, agreed_host = distributed.min_across_ranks(
-        [inputs.device_memory_bytes, inputs.available_memory_bytes, -1 if host is None else host]
-    )
-    return replace(
-        inputs,
-        device_memory_bytes=total,
-        available_memory_bytes=available,
-        host_memory_bytes=None if agreed_host < 0 else agreed_host,
-    )
-
-
-def model_refusal(args: ServerArgs, hf_config: dict) -> str | None:
-    """What `kiln serve` (and so `kiln plan`) refuses to run this model with, before any memory arithmetic: its
-    architecture or a config field the model would refuse when built, a --tp-size, a flag a hybrid cannot take,
-    a speculative setup the configs show it cannot run."""
-    try:
-        model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
-        check_model_config(model_config, args.context_length or context_len_of(hf_config))
-    except ValueError as e:
-        return str(e)
-    return tp_refusal(args, hf_config) or hybrid_refusal(args, hf_config) or draft_refusal(args, hf_config)
-
-
-def storage_refusal(args: ServerArgs, keep: bool) -> str | None:
-    """Why the file storage tier cannot keep files where --hicache-storage-dir says, found by making the directory
-    and writing a file in it before any weight loads (`keep`: serve keeps the directory; plan removes it)."""
-    root = storage_dir(args)
-    return None if root is None else storage_tier.storage_dir_problem(root, keep)
-
-
-def tp_refusal(args: ServerArgs, hf_config: dict) -> str | None:
-    """Why --tp-size cannot split this model (a dimension it does not divide, or an FP8 weight block it cuts
-    where FP8 weights are kept), naming the sizes that can."""
-    if (args.tp_size > 1 or args.ep_size > 1) and has_linear_attention(hf_config):
-        return (
-            f"--tp-size {args.tp_size} --ep-size {args.ep_size}: Kiln runs a hybrid linear-attention model on one "
-            "rank (its conv and recurrent states are not sharded); serve it with --tp-size 1"
-        )
-    device = platform.detect_device() if args.device == "auto" else args.device
-    block = fp8_weight_block(hf_config) if platform.fp8_weights_kept(device, args.load_format) else None
-    problems = sharding.tp_size_problems(hf_config, args.tp_size, args.ep_size, block)
-    if not problems:
-        return None
-    sizes = ", ".join(str(tp) for tp in sharding.valid_tp_sizes(hf_config, fp8_block=block))
-    flags = f"--tp-size {args.tp_size}" + (f" --ep-size {args.ep_size}" if args.ep_size > 1 else "")
-    fp8 = f"; {FP8_FIX}" if block else ""
-    return (
-        f"{flags} does not divide this model's {', '.join(problems)}; tensor-parallel sizes that work: {sizes}"
-        + fp8
-    )
-
-
-def hybrid_refusal(args: ServerArgs, hf_config: dict) -> str | None:
-    """What a hybrid linear-attention model cannot be served with yet: its per-request states are not in the host
-    tier, and a verify step would advance them past rejected draft tokens."""
-    if not has_linear_attention(hf_config):
-        return None
-    if args.enable_hierarchical_cache:
-        return (
-            "--enable-hierarchical-cache keeps KV only: a hybrid linear-attention model's prefix cache also needs "
-            "its state checkpoints, which the host tier does not hold; serve it without the host tier"
-        )
-    if args.speculative_algorithm:
-        return (
-            f"--speculative-algorithm {args.speculative_algorithm}: a hybrid linear-attention model's state would "
-            "advance past rejected draft tokens (no per-draft-token states yet); serve it without speculation"
-        )
-    interval, page = args.mamba_track_interval, args.page_size
-    if interval % page:  # checkpoints sit where the radix tree can split: at page ends
-        return f"--mamba-track-interval {interval} must be a multiple of --page-size {page}"
-    return None
-
-
-def attention_refusal(
-    args: ServerArgs, model_config: ModelConfig, kv_cache_dtype: str, capability: tuple[int, int] | None
-) -> str | None:
-    """A KV pool --attention-backend triton cannot read on this GPU (compute `capability`, None on the CPU):
-    Triton converts fp8 e4m3 only from compute capability 8.9 on. Latent attention (MLA) runs no Triton kernel."""
-    if args.attention_backend != "triton" or model_config.mla is not None or capability is None:
-        return None
-    if kv_cache_dtype != "fp8_e4m3" or capability >= (8, 9):
-        return None
-    major, minor = capability
-    return (
-        f"--attention-backend triton reads a --kv-cache-dtype fp8_e4m3 pool on compute capability 8.9 or newer "
-        f"(Ada, Hopper, Blackwell), and this GPU's is {major}.{minor}: use --kv-cache-dtype fp8_e5m2 (the same "
-        "bytes per token) or --attention-backend torch_native"
-    )
 
 
 def capture_graphs(
@@ -192,17 +68,17 @@ def capture_graphs(
     runner.measured["graph_capture"] = graphs.capture_bytes
 
 
-def _checked_plan(args: ServerArgs, hf_config: dict) -> MemoryPlan:
-    """The plan, logged; StartupRefused when the arguments do not fit."""
-    plan = plan_ledger(args, hf_config)
-    ledger = plan.ledger
+def _checked_plan(deployment: Deployment) -> MemoryPlan:
+    """The plan, logged; StartupRefused when it does not fit."""
+    ledger = deployment.ledger
     logger.info("Memory ledger (per rank):\n" + format_table(ledger))
-    if not ledger.fits:
-        raise StartupRefused(format_refusal(ledger))
+    deployment.check_fits()
     logger.info(f"mem_fraction_static={ledger.mem_fraction_static:.3f} ({ledger.mem_fraction_reason})")
     if ledger.running_clamp:  # said before anything is allocated or captured
         logger.warning(ledger.running_clamp)
-    return plan
+    for warning in deployment.warnings:
+        logger.warning(warning)
+    return deployment.memory
 
 
 def _load_runner(
@@ -380,45 +256,18 @@ def host_tier_tokens(ledger: Ledger) -> int:
 
 def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EngineParts:
     phase = on_phase or (lambda name, info: None)
-    args = args.with_defaults()
-    refusal = args.serve_refusal()
-    if refusal:
-        raise StartupRefused(refusal)
     if args.tp_size != distributed.tp_size():  # the layers shard by the group this process joined
         raise StartupRefused(
             f"--tp-size {args.tp_size} runs one process per rank (`kiln serve --tp-size {args.tp_size}`); this "
             f"process is one of {distributed.tp_size()}"
         )
-    if args.model_path.endswith(
-        ".json"
-    ):  # resolve_model_path takes one for planning: its weights are elsewhere
-        raise StartupRefused(
-            f"--model-path {args.model_path} is a config.json, which `kiln plan` plans from; `kiln serve` loads "
-            "weights: give the model's directory"
-        )
-    hf_config = read_hf_config(args.model_path)
-    refusal = model_refusal(args, hf_config) or storage_refusal(args, keep=True)
-    if refusal:
-        raise StartupRefused(refusal)
-    plan = _checked_plan(args, hf_config)
+    deployment = resolve(args, target_platform(args, serving=True), serving=True)
+    args, model_config, spec_settings = deployment.args, deployment.model_config, deployment.spec
+    plan = _checked_plan(deployment)
     ledger, device = plan.ledger, plan.inputs.device
-    overrun = context_overrun(hf_config, args.context_length)  # past the ledger: allowed by SGLang's switch
-    if overrun:
-        logger.warning(overrun)
     if device == "cpu":
         torch.set_num_threads(platform.cpu_threads(args.num_threads))
-    model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
-    try:
-        spec_settings = resolve_speculative(args, model_config.architecture)
-    except ValueError as e:
-        raise StartupRefused(str(e)) from e
-    capability = torch.cuda.get_device_capability() if device == "cuda" else None
-    kv_dtype = kv_cache_dtype_name(plan.inputs.kv_cache_dtype, plan.inputs.dtype)
-    refusal = attention_refusal(args, model_config, kv_dtype, capability)
-    if refusal:
-        raise StartupRefused(refusal)
-    if device == "cpu":  # its own phase: a first build compiles for a minute or more
-        build_kernels(kernels_for(args.cpu_gemm, args.quantization), phase)
+        build_kernels(kernels_for(args.cpu_gemm, args.quantization), phase)  # a first build takes minutes
     phase("loading_weights", {})
     tokenizer = load_tokenizer(args.model_path, args.tokenizer_path, args.chat_template)
     runner = _load_runner(args, plan, model_config, phase)

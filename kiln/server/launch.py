@@ -412,21 +412,16 @@ def _hint(reason: str) -> str:
 
 
 def _front_refusal(args: ServerArgs) -> str | None:
-    """What the engine would refuse from the flags and the model's config alone (the model, a --tp-size that
-    cannot split it, a --context-length past its longest), refused before any process starts, as `kiln plan`
-    refuses it, rather than a minute into loading."""
-    from kiln.core import envs
-    from kiln.loader.model_config import read_hf_config
-    from kiln.memory.ledger import context_length_refusal
-    from kiln.scheduler.launch import model_refusal
+    """What the engine would refuse from the flags, the model's config and the platform (kiln.scheduler.resolve's
+    check: everything but the memory plan, which probes the device the engine then owns), refused before any
+    process starts, in the words `kiln plan` uses, rather than a minute into loading."""
+    from kiln.scheduler.resolve import check, target_platform
 
     try:
-        hf_config = read_hf_config(args.model_path)
-    except (ValueError, KeyError, OSError) as e:  # a config the engine could not read either: said once, here
+        check(args, target_platform(args, serving=True), serving=True)
+    except ValueError as e:  # StartupRefused, and ServerArgs' own checks
         return str(e)
-    return model_refusal(args, hf_config) or context_length_refusal(
-        hf_config, args.context_length, envs.allow_longer_context_len()
-    )
+    return None
 
 
 def serve(args: ServerArgs) -> int:
