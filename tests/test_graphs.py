@@ -268,7 +268,9 @@ def test_a_shape_that_does_not_pay_runs_eagerly_and_says_so(tiny_llama, monkeypa
     assert steps and not any(on for _, on in steps)
 
 
-def test_a_batch_the_graph_cannot_run_falls_back_to_eager(engines):
+def test_a_graph_that_fails_to_replay_is_an_error_naming_its_shape(engines):
+    """A captured shape that cannot run the batch it was chosen for fails that batch's requests with an error
+    naming the shape (not a silent eager run that hides a broken graph); the engine goes on serving."""
     graphs, eager = engines
     phase = graphs.scheduler.runner.graphs.phases["decode"]
     backend = phase.backend
@@ -281,24 +283,38 @@ def test_a_batch_the_graph_cannot_run_falls_back_to_eager(engines):
     broken_backend = {"replay": staticmethod(broken), "name": "broken", "reads_shared_prefix_once": False,
                       "shared_gather_limit": 0, "feature_width": None, "logits_rows": LogitsRows()}  # fmt: skip
     phase.backend = type("Broken", (), broken_backend)()
+    sched = graphs.scheduler
     try:
-        run = drive(graphs, [(0, [11, 12, 13], 5)])
+        sched.add_request(GenerateReq("bad", [11, 12, 13], SamplingParams(max_new_tokens=5, temperature=0.0)))
+        outs = []
+        for _ in range(20):
+            outs += sched.step()
+            if not sched.has_work:
+                break
     finally:
         phase.backend = backend
-    assert calls and not any(on for _, on in run.decodes)
-    assert run.outs == drive(eager, [(0, [11, 12, 13], 5)]).outs
+    [failed] = [o for o in outs if o.error]
+    assert calls == [1] and failed.rid == "bad"
+    assert "GraphReplayError: the decode graph bs=1 failed to run a batch of 1 (broken)" in failed.error
+    assert "Detected recompile" in failed.error and "--disable-cuda-graph" in failed.error
+    assert graphs.check_integrity()["in_use"] == 0
+    run = drive(graphs, [(0, [11, 12, 13], 5)])  # the shape restored: served on the graph again
+    assert all(on for _, on in run.decodes) and run.outs == drive(eager, [(0, [11, 12, 13], 5)]).outs
 
 
 def test_second_start_reuses_the_compiled_code(tiny_llama, tmp_path):
     """Two server starts on one fresh cache directory: the second loads every shape from the cache (AOTAutograd
-    and inductor cache hits, nothing compiled, and each shape's timing against eager reused; a step that entered inference mode inside the traced code would
-    bypass AOTAutograd's cache and recompile), and the capture is reported in the startup events, /status and /get_server_info."""
-    args = ["--model-path", tiny_llama, "--max-total-tokens", "2048", "--max-running-requests", "4",
-            "--cuda-graph-bs", "1", "2", "--compile-cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    and inductor cache hits, nothing compiled, and each shape's timing against eager reused; a step that entered
+    inference mode inside the traced code would bypass AOTAutograd's cache and recompile), although its KV pool
+    holds another number of tokens (a pool sized from the memory free at each start must not key the compiled
+    code), and the capture is reported in the startup events, /status and /get_server_info."""
+    args = ["--model-path", tiny_llama, "--max-running-requests", "4", "--cuda-graph-bs", "1", "2",
+            "--compile-cache-dir", str(tmp_path / "cache")]  # fmt: skip
     infos = []
-    for i in range(2):
+    for i, pool in enumerate(("2048", "3000")):
         events = tmp_path / f"events{i}.jsonl"
-        srv = ServerProcess([*args, "--startup-events", str(events)], tmp_path / f"s{i}.log")
+        flags = [*args, "--max-total-tokens", pool, "--startup-events", str(events)]
+        srv = ServerProcess(flags, tmp_path / f"s{i}.log")
         try:
             srv.wait_ready(timeout=600)
             info = httpx.get(f"{srv.url}/get_server_info", timeout=30).json()
@@ -370,7 +386,7 @@ def test_cuda_backends_buffers_match_eager_on_the_cpu(tiny_llama):
     assert (100, False) in run.prefills  # above the largest count: eager
     ran = set(run.decodes)
     assert {(1, True), (2, True), (3, True)} <= ran and any(bs > 4 and not on for bs, on in ran), ran
-    assert runner.failed_replays > 0  # the 64- and 100-token prompts decode beyond the width: eagerly
+    assert runner.beyond_width > 0  # the 64- and 100-token prompts decode beyond the width: eagerly
 
 
 def test_prefill_graphs_longer_than_the_context(tiny_llama):

@@ -29,7 +29,6 @@ import kiln.plan as plan
 import kiln.scheduler.launch as launch
 from kiln.config import ServerArgs
 from kiln.core.units import GIB
-from kiln.loader.model_config import read_hf_config
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_types import LedgerInputs
@@ -38,6 +37,7 @@ from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.memory.state_pool import StatePool
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq
+from kiln.scheduler.resolve import resolve, target_platform
 
 pytestmark = pytest.mark.engine
 
@@ -146,7 +146,8 @@ def test_serve_says_the_clamp_once_before_loading(model_path: str, caplog) -> No
         context_length=2048,
     )
     with caplog.at_level(logging.INFO, logger="kiln"):
-        ledger = launch._checked_plan(args, read_hf_config(model_path)).ledger  # the plan, nothing allocated
+        deployment = resolve(args, target_platform(args, serving=False))
+        ledger = launch._checked_plan(deployment).ledger  # the plan, nothing allocated
     said = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(said) == 1  # one line, beside the ledger's table (which shows it too)
     kept = ledger.max_running_requests

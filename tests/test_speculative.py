@@ -142,6 +142,49 @@ def test_ngram_greedy_identical_and_accepts(engine, reference):
     assert sum(o.spec_accepted_drafts for o in outs) == spec.totals.accepted_drafts > 0
 
 
+def test_plain_overlap_and_speculative_steps_commit_through_one_function(engine, reference, tiny_llama):
+    """Every token a request gains joins it in Scheduler.commit, whether a plain decode step sampled it, the
+    overlap schedule's forward thread did, or a verify step accepted it from a draft: a token appended anywhere
+    else fails the test, and what commit kept adds up to every request's output."""
+    overlapped = kiln.Engine(
+        model_path=tiny_llama, device="cpu", disable_cuda_graph=True, max_total_tokens=4096,
+        chunked_prefill_size=64, enable_overlap_schedule=True,
+    )  # fmt: skip
+    assert overlapped.scheduler.forward_thread is not None  # decode steps launched one ahead
+    for eng, drafter in ((engine, None), (engine, NgramDrafter()), (overlapped, None)):
+        spy = CommitSpy(eng.scheduler)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(eng.scheduler, "commit", spy.commit)
+            mp.setattr(eng.scheduler.out, "append_token", spy.append_token)
+            ids, _, spec = _run(eng, COPY_PROMPTS, GREEDY, drafter)
+        assert ids == reference and sum(spy.kept) == sum(map(len, ids)), (drafter, spy.kept)
+        assert drafter is None or (
+            spec.totals.accepted_drafts > 0 and max(spy.kept) > 1
+        )  # drafts in one call
+
+
+class CommitSpy:
+    """Scheduler.commit wrapped to note what each call kept, and the output processor's append_token wrapped
+    to fail unless it runs inside commit, for the request being committed."""
+
+    def __init__(self, sched):
+        self.real_commit, self.real_append = sched.commit, sched.out.append_token
+        self.inside: list = []
+        self.kept: list[int] = []
+
+    def commit(self, req, tokens, *args, **kwargs) -> int:
+        self.inside.append(req)
+        try:
+            self.kept.append(self.real_commit(req, tokens, *args, **kwargs))
+        finally:
+            self.inside.pop()
+        return self.kept[-1]
+
+    def append_token(self, req, *args):
+        assert self.inside == [req], "a token joined a request outside Scheduler.commit"
+        return self.real_append(req, *args)
+
+
 def test_wrong_and_random_drafters_identical(engine, reference):
     vocab = engine.parts.model_config.vocab_size
     for drafter in (WrongDrafter(), RandomDrafter(vocab)):

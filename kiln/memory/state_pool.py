@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.memory.kv_pool import pool_tensor
+
 
 class StatePool:
     """Per linear layer, the conv state `conv[layer, slot]` and the recurrent state `ssm[layer, slot]`.
@@ -37,10 +39,9 @@ class StatePool:
         self.num_linear_layers = num_linear_layers
         self.conv_shape = tuple(conv_shape)
         self.ssm_shape = tuple(ssm_shape)
-        # zeros, not empty: the pool's memory is committed at startup, as the ledger says (as the KV pool's)
-        self.conv = torch.zeros((num_linear_layers, num_slots, *self.conv_shape), dtype=dtype, device=device)
-        self.ssm = torch.zeros(
-            (num_linear_layers, num_slots, *self.ssm_shape), dtype=ssm_dtype, device=device
+        self.conv = pool_tensor((num_linear_layers, num_slots, *self.conv_shape), dtype, device, slots_dim=1)
+        self.ssm = pool_tensor(
+            (num_linear_layers, num_slots, *self.ssm_shape), ssm_dtype, device, slots_dim=1
         )
 
     @property

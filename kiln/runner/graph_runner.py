@@ -73,6 +73,10 @@ logger = logging.getLogger("kiln")
 MAX_SLOWDOWN = 1.05
 
 
+class GraphReplayError(RuntimeError):
+    """A captured shape failed to run a batch it was chosen for."""
+
+
 @dataclass
 class ShapeRecord:
     """One captured shape (decode batch size or prefill token count): time, memory, and whether it pays."""
@@ -220,7 +224,7 @@ class GraphRunner:
             self.phases["extend"] = Phase(
                 "extend", catch_up, backend, "bs", {}, tokens_per_req=catch_up_tokens_per_req
             )
-        self.failed_replays = 0
+        self.beyond_width = 0  # decode batches a CUDA graph's static KV width could not hold: run eagerly
         self.payoff = PayoffStore(cache_dir, model) if not self.cuda and self.phases else None
 
     def _decode_backend(
@@ -357,13 +361,20 @@ class GraphRunner:
         if best is None:
             return None, None
         phase, size = best
+        width = getattr(phase.backend, "kv_width", None)  # CUDA graphs read a KV table of a static width
+        if width is not None and fb.kv_table.shape[1] > width:
+            self.beyond_width += 1
+            return None, None
         if shared_kv_runs_eagerly(fb, phase.backend, self.kv_token_bytes):
             return None, None  # the eager path reads KV shared by the batch once: it wins there
         return phase, size
 
     def try_run(self, fb: ForwardBatch) -> StepOutput | None:
         """Logits of the batch from its captured shape, and the hidden states the model keeps for a draft (None
-        when it keeps none); None when the batch must run eagerly."""
+        when it keeps none); None when the batch runs eagerly by design (no shape holds it, a shape that does not
+        pay, KV past a CUDA graph's width, a shared prefix eager reads once). A captured shape that fails to run
+        a batch it was chosen for raises GraphReplayError naming the shape: running it eagerly instead would hide
+        a broken graph behind a slower server."""
         if fb.mode == ForwardMode.DECODE:
             phase, size = self._decode_shape(fb)
         else:
@@ -374,13 +385,12 @@ class GraphRunner:
             return None
         try:
             out = phase.backend.replay(size, fb)
-        except Exception as e:  # noqa: BLE001 - a shape that cannot run this batch leaves it to eager
-            self.failed_replays += 1
-            if self.failed_replays == 1:
-                logger.warning(
-                    f"{phase.name} graph {phase.shape(size)} could not run a batch ({e!r}); it ran eagerly"
-                )
-            return None
+        except Exception as e:
+            rows = fb.batch_size if phase.is_decode else int(fb.input_ids.shape[0])
+            raise GraphReplayError(
+                f"the {phase.name} graph {phase.shape(size)} failed to run a batch of {rows} "
+                f"({phase.backend.name}): {e!r}; --disable-cuda-graph runs every step eagerly"
+            ) from e
         if not phase.is_decode:  # prefill pieces: the model's own forward kept its hidden states
             return out, self.model.last_hidden if keeps_hidden(self.model) else None
         return out  # the decode backends hand out the rows the eager forward would

@@ -197,7 +197,7 @@ class OverlapSchedule:
         failed = self._settle(step)
         if later is not None:
             failed += [r for r in self._settle(later) if all(r is not x for x in failed)]
-        self._fail_batch(failed, exc)
+        self.fail_batch(failed, exc)
 
     def _abandon_in_flight(self) -> None:
         """The step in flight waited for and its tokens left untaken (everything is about to fail)."""

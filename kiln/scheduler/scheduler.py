@@ -8,6 +8,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from dataclasses import asdict
@@ -326,7 +327,7 @@ class Scheduler(OverlapSchedule):
         try:
             logits = self.runner.forward(fb)
         except Exception as e:  # one bad batch fails its requests, never the loop
-            self._fail_batch(reqs, e)
+            self.fail_batch(reqs, e)
             return
         done, rows, starts = [], [], [r.kv_len for r in reqs]
         for i, r in enumerate(reqs):
@@ -346,7 +347,7 @@ class Scheduler(OverlapSchedule):
             self.kv.cache_unfinished(r)
         if sampled:
             self.running.extend(r for r, _ in sampled)
-            self._sample_and_process([r for r, _ in sampled], logits[[i for _, i in sampled]])
+            self.sample_and_commit([r for r, _ in sampled], logits[[i for _, i in sampled]])
         if self.spec is not None:
             self._prefilled_for_drafter(reqs, starts)
 
@@ -395,12 +396,12 @@ class Scheduler(OverlapSchedule):
         try:
             logits = self.runner.forward(fb)
         except Exception as e:
-            self._fail_batch(reqs, e)
+            self.fail_batch(reqs, e)
             return 0
         for r in reqs:
             r.kv_len += 1
         self.kv.track_states(reqs)  # hybrid models: state checkpoints every --mamba-track-interval tokens
-        self._sample_and_process(reqs, logits)
+        self.sample_and_commit(reqs, logits)
         if self.spec is not None:
             self.spec.after_plain_decode(reqs, getattr(self.runner, "last_hidden", None))
         return len(reqs)
@@ -442,7 +443,7 @@ class Scheduler(OverlapSchedule):
                 last, "Out of memory even after retracting all other requests in the decode batch."
             )
 
-    def _sample_and_process(self, reqs: list[Req], logits: torch.Tensor) -> None:
+    def sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None:
         banned = [self.out.banned_ids(r) for r in reqs]
         masks = batch_masks([r.matcher for r in reqs], banned, logits.shape[-1])
         if masks.blocked:  # every rank computes the same masks, so every rank ends the same rows here
@@ -461,17 +462,40 @@ class Scheduler(OverlapSchedule):
         self._take_tokens(reqs, sample_step(logits, rows))
 
     def _take_tokens(self, reqs: list[Req], result: SampleOutput) -> None:
-        """Each request's sampled token appended: the grammar advanced, stops checked, output streamed."""
+        """Each request's sampled token committed (plain decode, a prefill's first token, the overlap schedule's
+        steps, a verify step's rows without drafts)."""
         next_ids = distributed.broadcast_token_ids(result.next_token_ids)  # rank 0's tokens on every rank
         for i, r in enumerate(reqs):
-            self.out.append_token(r, next_ids[i], result.logprobs[i], result.top_logprobs[i])
-            self.out.follow_grammar(r, next_ids[i])
-            self.counters.generation_tokens += r.log_metrics
-            if r.finished:
-                self.running.remove(r)
-                self._finish(r)
-            elif self.out.should_stream(r):
-                self.outbox.append(self.out.flush_output(r))
+            self.commit(r, [next_ids[i]], [result.logprobs[i]], [result.top_logprobs[i]])
+
+    def commit(
+        self,
+        req: Req,
+        tokens: list[int],
+        logprobs: list,
+        top_logprobs: list,
+        place_kv: Callable[[int], None] | None = None,
+    ) -> int:
+        """The one place a step's tokens join a request, whatever produced them (a sampled row, a verified draft
+        path): each appended with its logprobs, the grammar advanced and the stops checked, until the request
+        ends; then `place_kv(kept)` puts the kept tokens' KV where decoding expects it (a verify step's accepted
+        path), and the request either ends (its KV cached, its output sent) or streams. Returns the tokens kept."""
+        kept = 0
+        for token, logprob, top in zip(tokens, logprobs, top_logprobs):
+            self.out.append_token(req, token, logprob, top)
+            self.out.follow_grammar(req, token)
+            self.counters.generation_tokens += req.log_metrics
+            kept += 1
+            if req.finished:
+                break
+        if place_kv is not None:
+            place_kv(kept)
+        if req.finished:
+            self.running.remove(req)
+            self._finish(req)
+        elif self.out.should_stream(req):
+            self.outbox.append(self.out.flush_output(req))
+        return kept
 
     def _end_blocked(self, req: Req) -> None:
         """A constrained request whose grammar allows no token now ends before sampling (see blocked_finish)."""
@@ -510,7 +534,7 @@ class Scheduler(OverlapSchedule):
         self.counters.failed += 1
         self.outbox.append(self.out.error_output(rid, input_len, error))
 
-    def _fail_batch(self, reqs: list[Req], exc: Exception) -> None:
+    def fail_batch(self, reqs: list[Req], exc: Exception) -> None:
         logger.exception(f"forward failed for {len(reqs)} request(s): {exc!r}")
         for r in reqs:
             self._finish_abort(r, "internal error", error=f"{type(exc).__name__}: {exc}")

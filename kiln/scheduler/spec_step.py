@@ -23,7 +23,7 @@ from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.runner.model_runner import ModelRunner
 from kiln.runner.sampler import SamplingRow
-from kiln.scheduler.io import ReqOutput, RequestCounters
+from kiln.scheduler.io import ReqOutput
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.req import Req
@@ -39,15 +39,20 @@ class Scheduler(Protocol):
     runner: ModelRunner
     kv: KVManager
     out: OutputProcessor
-    counters: RequestCounters
     running: list[Req]
-    outbox: list[ReqOutput]
 
-    def _sample_and_process(self, reqs: list[Req], logits: torch.Tensor) -> None: ...
+    def sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None: ...
 
-    def _finish(self, req: Req) -> None: ...
+    def commit(
+        self,
+        req: Req,
+        tokens: list[int],
+        logprobs: list,
+        top_logprobs: list,
+        place_kv: Callable[[int], None] | None = None,
+    ) -> int: ...
 
-    def _fail_batch(self, reqs: list[Req], exc: Exception) -> None: ...
+    def fail_batch(self, reqs: list[Req], exc: Exception) -> None: ...
 
 
 @dataclass
@@ -186,7 +191,7 @@ class SpecDecoder:
         try:
             logits = sched.runner.forward(fb)
         except Exception as e:
-            sched._fail_batch(reqs, e)
+            sched.fail_batch(reqs, e)
             return 0
         hidden = getattr(sched.runner, "last_hidden", None)
         starts = [sum(counts[:i]) for i in range(len(counts))]
@@ -242,27 +247,19 @@ class SpecDecoder:
         request's kv_len before the step and after its allocation; `hidden_rows`: the forward's hidden states
         and the request's first row in them."""
         base, allocated = span
-        kept: list[int] = []
-        for j, token in enumerate(verdict.tokens):
-            sched.out.append_token(r, token, verdict.logprobs[j], verdict.top_logprobs[j])
-            sched.counters.generation_tokens += r.log_metrics
-            kept.append(token)
-            if r.finished:
-                break
-        # plain decoding's invariant: every token but the newest has its KV, at its own column
-        path = tree.follow(kept[:-1])
-        _place_path(sched, r, path, base)
-        sched.kv.trim(r, base + len(kept), allocated)
-        self._count(r.rid, len(kept) - 1)
-        if not r.finished:  # a finished request is released instead
-            hidden, start = hidden_rows
-            self.drafter.accepted(r.rid, kept, _path_hidden(hidden, start, path))
-        if r.finished:
-            sched.running.remove(r)
-            sched._finish(r)
-        elif sched.out.should_stream(r):
-            sched.outbox.append(sched.out.flush_output(r))
-        return len(kept)
+
+        def place(kept: int) -> None:
+            # plain decoding's invariant: every token but the newest has its KV, at its own column
+            tokens = verdict.tokens[:kept]
+            path = tree.follow(tokens[:-1])
+            _place_path(sched, r, path, base)
+            sched.kv.trim(r, base + kept, allocated)
+            self._count(r.rid, kept - 1)
+            if not r.finished:  # a finished request is released instead
+                hidden, start = hidden_rows
+                self.drafter.accepted(r.rid, tokens, _path_hidden(hidden, start, path))
+
+        return sched.commit(r, verdict.tokens, verdict.logprobs, verdict.top_logprobs, place)
 
     def _plain_rows(
         self,
@@ -276,7 +273,7 @@ class SpecDecoder:
         if not reqs:
             return 0
         before = {r.rid: len(r.output_ids) for r in reqs}
-        sched._sample_and_process(reqs, logits[starts])
+        sched.sample_and_commit(reqs, logits[starts])
         for r, start in zip(reqs, starts):
             self._count(r.rid, 0)
             if not r.finished and len(r.output_ids) > before[r.rid]:
