@@ -151,7 +151,8 @@ class Said(logging.Handler):
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     """(exit code, what the command said of a refusal: its error line or the verdict)."""
-    said = Said()
+    said, root = Said(), logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # serve configures the root logger, as its process's own
     logging.getLogger("kiln").addHandler(said)
     EngineUpToTheLoad.refusal = None
     try:
@@ -160,6 +161,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         code = int(e.code or 0)
     finally:
         logging.getLogger("kiln").removeHandler(said)
+        root.handlers[:], root.level = handlers, level
     out, err = capsys.readouterr()
     errors = [line for line in err.splitlines() if ": error: " in line]
     failed = [line.removeprefix("Kiln failed: ") for line in said.lines if line.startswith("Kiln failed: ")]
