@@ -119,6 +119,10 @@ MUTANTS = [
            "kiln/scheduler/kv.py", "\"ok\": free + cached + in_use == total",
            "\"ok\": free + cached + in_use <= total",
            [T + "scheduler.py::test_integrity_reports_a_leaked_slot_and_counts_it"]),
+    Mutant("commit_past_a_stop", "a verified draft path is committed past the token that ended the request",
+           "kiln/scheduler/scheduler.py", "            if req.finished:\n                break\n",
+           "            if req.finished and len(tokens) == 1:\n                break\n",
+           [T + "speculative.py::test_chains_cut_at_stop_ids_stop_strings_and_max_tokens"]),
 ]
 # fmt: on
 assert len({m.name for m in MUTANTS}) == len(MUTANTS), "mutant names must be unique"
