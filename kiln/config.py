@@ -416,6 +416,11 @@ class ServerArgs:
         if self.tp_size % self.nnodes:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
 
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """--compute-capability as (major, minor), or None when not given."""
+        return compute_capability_tuple(self.compute_capability) if self.compute_capability else None
+
     def request_byte_limit(self, context_len: int) -> int:
         """--max-request-bytes, or its default for this context length (see the flag's help)."""
         if self.max_request_bytes is not None:

@@ -76,12 +76,8 @@ def run(namespace: argparse.Namespace) -> int:
         print_foreign_flags(given)
         args = given.with_defaults()
         deployment = deployment_for_args(args)
-    except (
-        ValueError,
-        KeyError,
-        TypeError,
-        OSError,
-    ) as e:  # StartupRefused is a ValueError; OSError: no model
+    # StartupRefused is a ValueError; OSError: no default model installed
+    except (ValueError, KeyError, TypeError, OSError) as e:
         print(f"kiln plan: error: {e}", file=sys.stderr)
         return 2
     ledger = deployment.ledger

@@ -83,9 +83,7 @@ class LedgerInputs:
         """What `kiln serve` and `kiln plan` ask the ledger for these flags and this model config on `target`
         (default: this machine's device for --device): the device and dtypes resolved, memory probed unless
         given or described. Raises ValueError for what cannot be planned."""
-        target = target or platform.planned_platform(
-            args.device, getattr(args, "device_name", None), _capability(args)
-        )
+        target = target or platform.planned_platform(args.device, args.device_name, args.capability)
         device = target.device
         total, available = _device_memory(args, target)
         dtype = resolve_dtype_name(hf_config, device, args.dtype)
@@ -133,13 +131,6 @@ class LedgerInputs:
             int8_linears=_int8_linears(args, device),
             draft_hf_config=_draft_config(args),
         )
-
-
-def _capability(args: ServerArgs) -> tuple[int, int] | None:
-    from kiln.config import compute_capability_tuple
-
-    given = getattr(args, "compute_capability", None)  # tests' stand-ins for ServerArgs may lack it
-    return compute_capability_tuple(given) if given else None
 
 
 def _int8_linears(args: ServerArgs, device: str) -> bool:

@@ -16,7 +16,7 @@ import kiln.core.sharding as sharding
 import kiln.distributed as distributed
 import kiln.memory.storage_tier as storage_tier
 from kiln import platform
-from kiln.config import ServerArgs, compute_capability_tuple
+from kiln.config import ServerArgs
 from kiln.core import envs
 from kiln.core.devices import device_spec, same_device
 from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
@@ -65,11 +65,6 @@ class Deployment:
     def ledger(self) -> Ledger:
         return self.memory.ledger
 
-    @property
-    def kv_cache_dtype(self) -> str:
-        inputs = self.memory.inputs
-        return kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype)
-
     def check_fits(self) -> None:
         """StartupRefused when the ledger does not fit (plan prints the same ledger and exits 1)."""
         if not self.ledger.fits:
@@ -80,15 +75,14 @@ def target_platform(args: ServerArgs, serving: bool) -> Platform:
     """The platform these arguments target. Serving, it is this machine's device, and --device cuda without a
     GPU, or a --device-name/--compute-capability other than this GPU's, is refused (they describe a machine for
     `kiln plan`). Planning, a GPU named or assumed is described from Kiln's table, with what was assumed."""
-    capability = compute_capability_tuple(args.compute_capability) if args.compute_capability else None
     if not serving:
-        return platform.planned_platform(args.device, args.device_name, capability)
+        return platform.planned_platform(args.device, args.device_name, args.capability)
     here = platform.machine_platform(args.device if args.device_name is None else "cuda")
-    _check_here(args, here, capability)
+    _check_here(args, here)
     return here
 
 
-def _check_here(args: ServerArgs, here: Platform, capability: tuple[int, int] | None) -> None:
+def _check_here(args: ServerArgs, here: Platform) -> None:
     if not here.here:
         raise StartupRefused(
             "--device cuda: this machine has no usable CUDA GPU (torch.cuda.is_available() is False); "
@@ -100,7 +94,7 @@ def _check_here(args: ServerArgs, here: Platform, capability: tuple[int, int] | 
             f"--device-name {args.device_name} describes another GPU than this machine's ({here.name}): it is "
             "for `kiln plan` on another machine; drop it to serve here"
         )
-    if capability is not None and capability != here.capability:
+    if args.capability is not None and args.capability != here.capability:
         found = "none (the CPU)" if here.capability is None else "{}.{}".format(*here.capability)
         raise StartupRefused(
             f"--compute-capability {args.compute_capability} is not this machine's ({found}): it is for "
@@ -134,15 +128,21 @@ def check(args: ServerArgs, target: Platform, serving: bool = False) -> Checked:
         hf_config = read_hf_config(args.model_path)
     except (ValueError, KeyError, OSError) as e:
         raise StartupRefused(str(e)) from e
+    try:  # the architecture, or a config field the model would refuse when built
+        model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
+        check_model_config(model_config, args.context_length or context_len_of(hf_config))
+    except ValueError as e:
+        raise StartupRefused(str(e)) from e
     refusal = (
-        model_refusal(args, hf_config, target)
+        tp_refusal(args, hf_config, target)
+        or hybrid_refusal(args, hf_config)
+        or draft_refusal(args, hf_config)
         or context_length_refusal(hf_config, args.context_length, envs.allow_longer_context_len())
         or storage_refusal(args, keep=serving)
         or triton_refusal(args, target)
     )
     if refusal:
         raise StartupRefused(refusal)
-    model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
     try:
         spec = resolve_speculative(args, model_config.architecture)
         dtype = resolve_dtype_name(hf_config, target.device, args.dtype)
@@ -194,22 +194,6 @@ def _agreed(inputs: LedgerInputs) -> LedgerInputs:
         device_memory_bytes=total,
         available_memory_bytes=available,
         host_memory_bytes=None if agreed_host < 0 else agreed_host,
-    )
-
-
-def model_refusal(args: ServerArgs, hf_config: dict, target: Platform) -> str | None:
-    """What Kiln refuses to run this model with, before any memory arithmetic: its architecture or a config field
-    the model would refuse when built, a --tp-size, a flag a hybrid cannot take, a speculative setup the configs
-    show it cannot run."""
-    try:
-        model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
-        check_model_config(model_config, args.context_length or context_len_of(hf_config))
-    except ValueError as e:
-        return str(e)
-    return (
-        tp_refusal(args, hf_config, target)
-        or hybrid_refusal(args, hf_config)
-        or draft_refusal(args, hf_config)
     )
 
 
