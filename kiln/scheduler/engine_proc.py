@@ -47,6 +47,26 @@ PEER_FAILED_EXIT = 4
 
 
 @dataclass(frozen=True)
+class Beat:
+    """A rank's loop as the front sees it, in memory both share: when it last began a turn and how many it began.
+    Ranks meet in a collective at the start of every turn, so the rank that stopped on its own is the one with the
+    fewest turns (the others wait for it in the next meeting, their clocks stopped earlier than its own may have);
+    among equals, the oldest stamp."""
+
+    time: Any  # a shared double, time.time() at the last stamp
+    turns: Any  # a shared int64, the turns begun
+
+    def stamp(self, turn: bool = False) -> None:
+        self.time.value = time.time()
+        if turn:
+            self.turns.value += 1
+
+    def lag(self) -> tuple[int, float]:
+        """What orders ranks by how far behind they are: fewest turns, then oldest stamp."""
+        return self.turns.value, self.time.value
+
+
+@dataclass(frozen=True)
 class RankSpec:
     """Which tensor-parallel rank an engine process is, and where the group meets (tcp://HOST:PORT)."""
 
@@ -54,9 +74,7 @@ class RankSpec:
     local_rank: int = 0  # its index among the ranks on this node
     local_ranks: int = 1  # the ranks on this node, which share its cores
     init_method: str | None = None
-    beat: Any = (
-        None  # a shared double the loop stamps with time.time() each iteration (tp > 1), read by the front
-    )
+    beat: Beat | None = None  # stamped by the loop at each turn, read by the front
 
 
 class _StartupReporter:
@@ -144,6 +162,8 @@ def engine_main(
         parts = build_engine(args, on_phase=reporter)
         # from here its loop's beat is watched (--watchdog-timeout); with several ranks, a rank that waits on the
         # others is silent because of them
+        if spec.beat is not None:
+            spec.beat.stamp()
         status_queue.put(RankReady(spec.rank))
         info = server_info(parts)
     except Exception as e:
@@ -165,8 +185,8 @@ def engine_main(
 def _serve(loop: EngineLoop, reporter: _StartupReporter, status_queue) -> None:
     """The loop until the front stops this process; with several ranks, a collective that fails (another rank
     died or went silent) ends this one with its reason reported."""
-    if loop.beat is not None:  # the front reads a rank's beat from here on
-        loop.beat.value = time.time()
+    if loop.beat is not None:
+        loop.beat.stamp()
     reporter("serving", {})
     try:
         loop.run()
@@ -228,7 +248,7 @@ class EngineLoop:
     rank nothing is broadcast."""
 
     def __init__(
-        self, parts: EngineParts, recv: zmq.Socket | None, send: zmq.Socket | None, beat: Any = None
+        self, parts: EngineParts, recv: zmq.Socket | None, send: zmq.Socket | None, beat: Beat | None = None
     ):
         self.parts = parts
         self.beat = beat
@@ -262,7 +282,7 @@ class EngineLoop:
         last_sent = 0.0
         while True:
             if self.beat is not None:
-                self.beat.value = time.time()
+                self.beat.stamp(turn=True)
             for msg in self._receive():
                 self.handle(msg)
             outs = self._step() if self.sched.has_work else self.sched.take_outputs()

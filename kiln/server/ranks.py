@@ -12,7 +12,7 @@ import signal
 import time
 
 from kiln.config import ServerArgs
-from kiln.scheduler.engine_proc import PEER_FAILED_EXIT, RankSpec, engine_main
+from kiln.scheduler.engine_proc import PEER_FAILED_EXIT, Beat, RankSpec, engine_main
 from kiln.scheduler.io import PhaseEntered, Progress, RankFailed, RankReady, StartupFailed
 from kiln.server.startup import PHASES, StartupState
 
@@ -35,14 +35,14 @@ class RankProcesses:
         self.last_event = dict.fromkeys(self.local, time.time())
         self.ready: set[int] = set()
         self.failures: dict[int, str] = {}
-        self.beats: dict[int, object] = {}
+        self.beats: dict[int, Beat] = {}
 
     def start(self, engine_addr: str, front_addr: str):
         ctx = mp.get_context("spawn")
         status_q = ctx.Queue()
         init_method = f"tcp://{self.args.dist_init_addr or f'127.0.0.1:{_free_port()}'}"
         for local_rank, rank in enumerate(self.local):
-            beat = ctx.RawValue("d", time.time())
+            beat = Beat(ctx.RawValue("d", time.time()), ctx.RawValue("q", 0))
             self.beats[rank] = beat
             spec = RankSpec(rank, local_rank, len(self.local), init_method, beat)
             self.procs[rank] = ctx.Process(
@@ -71,7 +71,6 @@ class RankProcesses:
                 startup.step(**info)
             case RankReady():
                 self.ready.add(rank)
-                self.beats[rank].value = time.time()  # its loop beats from its first turn on
             case RankFailed(phase=phase, reason=reason):
                 self.phases[rank] = phase
                 self.failures[rank] = reason
@@ -83,11 +82,11 @@ class RankProcesses:
         return rank, self.phases[rank], time.time() - self.last_event[rank]
 
     def stalled_rank(self, limit: float) -> tuple[int, float] | None:
-        """The rank whose loop stopped turning first, when that was over limit seconds ago."""
+        """The rank furthest behind (Beat.lag), when its last stamp is over limit seconds old."""
         if len(self.ready) < len(self.local):  # beats start once all are built
             return None
-        rank = min(self.local, key=lambda r: self.beats[r].value)
-        silent = time.time() - self.beats[rank].value
+        rank = min(self.local, key=lambda r: self.beats[r].lag())
+        silent = time.time() - self.beats[rank].time.value
         return (rank, silent) if silent > limit else None
 
     def dead(self) -> bool:
