@@ -28,8 +28,8 @@ from kiln.core.units import GIB, human  # noqa: E402
 from kiln.memory.kv_pool import KVPool  # noqa: E402
 from kiln.memory.ledger import compute_ledger  # noqa: E402
 from kiln.memory.ledger_types import Ledger, LedgerInputs  # noqa: E402
-from kiln.memory.model_shapes import kv_layers, linear_state  # noqa: E402
 from kiln.memory.state_pool import StatePool  # noqa: E402
+from kiln.models.spec import ModelSpec  # noqa: E402
 
 # Qwen3-Next-80B-A3B-Instruct's config.json (the fields the ledger reads)
 QWEN3_NEXT_80B = {
@@ -48,7 +48,7 @@ def ledger_for(config: dict, args: argparse.Namespace, radix_cache: bool = True)
     """`kiln plan --max-running-requests R --context-length C` on a machine large enough for the weights."""
     memory = 1024 * GIB
     inputs = LedgerInputs(
-        hf_config=config,
+        model=ModelSpec.from_config(config),
         device="cpu",
         device_memory_bytes=memory,
         available_memory_bytes=memory,
@@ -77,11 +77,11 @@ def measured_per_request(config: dict, args: argparse.Namespace, slots: int) -> 
     """Bytes of the pools Kiln allocates for one request at the context (the padding page left out)."""
     dtype = torch_dtype(args.dtype)
     heads = kv_heads_per_rank(config["num_key_value_heads"], args.tp)
-    pool = KVPool(args.context, 1, kv_layers(config), heads, config["head_dim"], dtype)
+    pool = KVPool(args.context, 1, ModelSpec.from_config(config).kv_layers, heads, config["head_dim"], dtype)
     per_row = (pool.k_bytes + pool.v_bytes) // (args.context + 1)
     kv = per_row * args.context
     del pool
-    state = linear_state(config, args.tp, dtype_bytes(args.dtype))
+    state = ModelSpec.from_config(config).linear_state(args.tp, dtype_bytes(args.dtype))
     states = 0
     if state is not None:
         states_pool = StatePool(
@@ -111,7 +111,7 @@ def main() -> None:
         rows[name] = {
             "ledger": ledger_per_request(ledger, args.context),
             "measured": measured_per_request(config, args, slots),
-            "kv_layers": kv_layers(config),
+            "kv_layers": ModelSpec.from_config(config).kv_layers,
             "state_slots_per_request": slots,
         }
     print(f"memory per request at a {args.context:,}-token context, tp {args.tp}, {args.dtype} (per rank)")

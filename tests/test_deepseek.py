@@ -31,7 +31,11 @@ from test_correctness import load_hf
 import kiln
 from kiln.loader import fp8
 from kiln.memory.kv_pool import LatentKVPool
+from kiln.models.spec import ModelSpec
 from kiln.runner.attention import MlaBackend
+
+model_spec = ModelSpec.from_config  # a model config dict's spec
+
 
 pytestmark = pytest.mark.engine
 
@@ -57,13 +61,12 @@ def test_the_model_holds_latent_attention_and_experts(engine: kiln.Engine, model
 
 
 def test_the_ledger_counts_what_the_model_holds(engine: kiln.Engine, model_path: str) -> None:
-    from kiln.memory.model_shapes import kv_bytes_per_token, weight_bytes
 
     config = json.loads(Path(model_path, "config.json").read_text())
     runner = engine.scheduler.runner
-    assert weight_bytes(config, 1, 4) == runner.measured["weights"]
+    assert model_spec(config).weight_bytes(1, 4) == runner.measured["weights"]
     per_token = runner.measured["kv_pool"] // (runner.kv_pool.num_tokens + runner.kv_pool.page_size)
-    assert kv_bytes_per_token(config, 1, 4) == per_token
+    assert model_spec(config).kv_bytes_per_token(1, 4) == per_token
 
 
 def test_the_mtp_layer_is_kept_aside(model_path: str) -> None:
@@ -245,7 +248,6 @@ def test_an_fp8_checkpoint_loads_and_matches_transformers(
     KILN_FP8_WEIGHTS=keep runs the kernels here in Triton's interpreter): transformers' logits and greedy tokens
     on the dequantized weights either way."""
     from kiln.layers.fp8_linear import block_factor_bytes
-    from kiln.memory.model_shapes import weight_bytes
 
     monkeypatch.setenv("KILN_FP8_WEIGHTS", held)
     model, tok = deepseek_hf_model(seed=2)
@@ -270,12 +272,12 @@ def test_an_fp8_checkpoint_loads_and_matches_transformers(
             assert not any("embed" in name or "lm_head" in name or "gate.weight" in name for name in fp8_held)
             # the ledger's figure (block factors counted at 4 B a whole block) within 2% of what is held
             measured = runner.measured["weights"]
-            assert abs(weight_bytes(config, 1, 4, fp8_kept=True) - measured) < 0.02 * measured
+            assert abs(model_spec(config).weight_bytes(1, 4, fp8_kept=True) - measured) < 0.02 * measured
             # against the dequantized model's (what the ledger counts for it): 3 B saved a weight held in FP8, less
             # the factors
             elements = sum(p.numel() for p in runner.model.parameters() if p.dtype == torch.float8_e4m3fn)
             saved = 3 * elements - block_factor_bytes(runner.model)
-            assert weight_bytes(config, 1, 4) - measured == saved > 0
+            assert model_spec(config).weight_bytes(1, 4) - measured == saved > 0
         else:
             assert not fp8_held
         prompt = ref.prompts[5]

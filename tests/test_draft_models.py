@@ -15,6 +15,7 @@ from model_equality import one_torch_thread, random_model  # noqa: F401 (one_tor
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.loader.model_config import read_hf_config
 from kiln.models.config import ModelConfig
+from kiln.models.spec import ModelSpec
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput
 from kiln.speculative.draft_model import (
@@ -26,6 +27,9 @@ from kiln.speculative.draft_model import (
 )
 from kiln.speculative.eagle import attach_target, build_eagle_drafter
 from kiln.speculative.head_kv import target_pool_rows
+
+model_spec = ModelSpec.from_config  # a model config dict's spec
+
 
 pytestmark = pytest.mark.engine
 
@@ -436,20 +440,18 @@ def test_eagle_head_keeps_its_kv_for_a_cached_prefix(eagle3, eagle_target, targe
     eagle_target.model.capture_hidden = None
 
 
-def test_eagle3_layers_follow_sglang(eagle_target: ModelRunner) -> None:
+def test_eagle3_layers_follow_sglang(eagle_target: ModelRunner, target_dir: Path) -> None:
     from kiln.models.eagle import eagle3_capture_layers
 
-    assert eagle3_capture_layers({}, 32) == (2, 16, 29)
-    named = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
-    assert eagle3_capture_layers(named, 32) == (
-        2,
-        16,
-        29,
-    )  # SGLang takes the output of layer i: input of i + 1
-    repeated = {
+    assert eagle3_capture_layers(None, 32) == (2, 16, 29)
+    head = {
+        **json.loads((target_dir / "config.json").read_text()),
         "architectures": ["LlamaForCausalLMEagle3"],
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 0]},
     }
+    named = model_spec({**head, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}})
+    # SGLang takes the output of layer i: the input of i + 1
+    assert eagle3_capture_layers(named.aux_hidden_layers, 32) == (2, 16, 29)
+    repeated = model_spec({**head, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 0]}})
     with pytest.raises(DraftRefused, match=r"layers \[2, 2, 1\] of the target t, which has 7 layers"):
         attach_target(eagle_target.model, repeated, "t")
     assert eagle_target.model.capture_hidden is None
@@ -655,7 +657,6 @@ def test_nextn_needs_an_mtp_layer(target: ModelRunner) -> None:
 def test_the_ledger_counts_the_draft(target_dir: Path, target: ModelRunner) -> None:
     """`kiln plan` and serve count the draft's weights and its KV per token; the loaded draft holds that much."""
     from kiln.config import ServerArgs
-    from kiln.memory.model_shapes import kv_bytes_per_token, weight_bytes
     from kiln.scheduler.resolve import plan_ledger
     from kiln.speculative.draft_model import build_standalone_drafter
     from kiln.text.tokenizer import load_tokenizer
@@ -665,9 +666,9 @@ def test_the_ledger_counts_the_draft(target_dir: Path, target: ModelRunner) -> N
     spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(target_dir))
     ledger = plan_ledger(ServerArgs(**vars(args) | spec)).ledger
     config = json.loads((target_dir / "config.json").read_text())
-    assert ledger.line("draft weights").bytes == weight_bytes(config, 1, 4)
+    assert ledger.line("draft weights").bytes == model_spec(config).weight_bytes(1, 4)
     assert not plain_ledger.has_line("draft weights")
-    draft_cell = kv_bytes_per_token(config, 1, 4)
+    draft_cell = model_spec(config).kv_bytes_per_token(1, 4)
     assert ledger.kv_bytes_per_token == plain_ledger.kv_bytes_per_token + draft_cell
     assert f"+ draft {draft_cell} B" in ledger.line("kv bytes per token").inputs
     sizes = PoolSizes(POOL, RUNNING, CONTEXT, 1)

@@ -14,7 +14,10 @@ import torch
 import kiln
 from kiln.loader.model_config import load_model_config
 from kiln.loader.weights import load_model
-from kiln.memory.model_shapes import weight_bytes
+from kiln.models.spec import ModelSpec
+
+model_spec = ModelSpec.from_config  # a model config dict's spec
+
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +45,7 @@ def test_a_config_only_directory_is_served_with_dummy_weights(config_only):
         assert len(out["output_ids"]) == 4
         runner = engine.scheduler.runner
         config = json.loads(Path(config_only, "config.json").read_text())
-        assert runner.measured["weights"] == weight_bytes(config, 1, 4)  # float32 on the CPU
+        assert runner.measured["weights"] == model_spec(config).weight_bytes(1, 4)  # float32 on the CPU
         assert all(p.abs().max() <= 1e-3 for p in runner.model.parameters())
     finally:
         engine.shutdown()

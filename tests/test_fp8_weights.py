@@ -27,6 +27,10 @@ from test_correctness import make_prompt, token_stream
 import kiln
 from kiln.layers import fp8_linear
 from kiln.layers.triton_fp8 import expert_blocks, fp8_block_linear, fp8_grouped_linear, group_rows
+from kiln.models.spec import ModelSpec
+
+model_spec = ModelSpec.from_config  # a model config dict's spec
+
 
 pytestmark = pytest.mark.engine
 
@@ -268,11 +272,12 @@ def test_a_tp_size_that_cuts_the_fp8_blocks_is_refused_before_launch(monkeypatch
     from kiln.scheduler.resolve import tp_refusal
 
     monkeypatch.delenv("KILN_FP8_WEIGHTS", raising=False)
-    config = {
+    config = model_spec({
         "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144,
-        "moe_intermediate_size": 768, "num_experts": 128,
+        "moe_intermediate_size": 768, "num_experts": 128, "hidden_size": 4096, "num_hidden_layers": 2,
+        "vocab_size": 1024,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-    }  # fmt: skip
+    })  # fmt: skip
     from kiln.platform import Platform
 
     args = SimpleNamespace(tp_size=8, ep_size=1, load_format="auto")
@@ -406,16 +411,14 @@ def test_the_attention_parts_a_rank_holds_must_be_whole_blocks_too():
     latent attention holds whole blocks a rank at tp 32, where its MLPs' 576 and experts' 64 rows a rank do not."""
     from test_ledger import DEEPSEEK_V3
 
-    from kiln.core.sharding import tp_size_problems
-
     gqa = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "hidden_size": 2048,
-           "intermediate_size": 8192}  # fmt: skip
+           "intermediate_size": 8192, "num_hidden_layers": 2, "vocab_size": 1024}  # fmt: skip
     block = (128, 128)
-    (problem,) = tp_size_problems(gqa, 8, fp8_block=block)
+    (problem,) = model_spec(gqa).tp_problems(8, fp8_block=block)
     assert problem.startswith("key / value rows (kv heads x head_dim) 512 (/ 8 = 64 per rank")
-    assert tp_size_problems(gqa, 4, fp8_block=block) == [] and tp_size_problems(gqa, 8) == []
-    assert tp_size_problems(DEEPSEEK_V3, 16, fp8_block=block) == []
-    assert [p.split(" (")[0] for p in tp_size_problems(DEEPSEEK_V3, 32, fp8_block=block)] == [
+    assert model_spec(gqa).tp_problems(4, fp8_block=block) == [] and model_spec(gqa).tp_problems(8) == []
+    assert model_spec(DEEPSEEK_V3).tp_problems(16, fp8_block=block) == []
+    assert [p.split(" (")[0] for p in model_spec(DEEPSEEK_V3).tp_problems(32, fp8_block=block)] == [
         "intermediate_size 18432",
         "moe_intermediate_size 2048",
     ]

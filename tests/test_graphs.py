@@ -26,6 +26,7 @@ from kiln.core.graph_shapes import (
 )
 from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
 from kiln.memory.ledger import LedgerInputs, compute_ledger
+from kiln.models.spec import ModelSpec
 from kiln.runner import graph_backends, graph_runner
 from kiln.runner.graph_backends import BreakablePrefill, CudaGraphDecode, LogitsRows, pad_decode_inputs
 from kiln.sampling_params import SamplingParams
@@ -66,7 +67,12 @@ def _ledger(**kw):
     )  # fmt: skip
     gib = 1 << 30
     return compute_ledger(
-        LedgerInputs(hf_config=cfg, device_memory_bytes=24 * gib, available_memory_bytes=20 * gib, **kw)
+        LedgerInputs(
+            model=ModelSpec.from_config(cfg),
+            device_memory_bytes=24 * gib,
+            available_memory_bytes=20 * gib,
+            **kw,
+        )
     )
 
 

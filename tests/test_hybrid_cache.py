@@ -32,12 +32,15 @@ from kiln.core.units import GIB
 from kiln.memory.allocator import TokenAllocator
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_types import LedgerInputs
-from kiln.memory.model_shapes import linear_state
 from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.memory.state_pool import StatePool
+from kiln.models.spec import ModelSpec
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq
 from kiln.scheduler.resolve import resolve, target_platform
+
+model_spec = ModelSpec.from_config  # a model config dict's spec
+
 
 pytestmark = pytest.mark.engine
 
@@ -87,14 +90,23 @@ def stream() -> list[int]:
 
 @pytest.mark.unit
 def test_slot_bytes_follow_the_config() -> None:
-    state = linear_state(hybrid_config(), 1, 4)
+    state = model_spec(hybrid_config()).linear_state(1, 4)
     assert state is not None and state.layers == 2  # a full-attention layer every second one
     conv_dim = 2 * 2 * 16 + 4 * 16  # 2 x key heads x key dim + value heads x value dim
     assert state.conv_shape == (conv_dim, 3) and state.ssm_shape == (4, 16, 16)
     assert state.slot_bytes == 2 * (conv_dim * 3 * 4 + 4 * 16 * 16 * 4)
-    assert linear_state(hybrid_config(), 2, 2).conv_shape == (conv_dim // 2, 3)  # per rank, model dtype
-    llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
-    assert linear_state(llama, 1, 4) is None
+    assert model_spec(hybrid_config()).linear_state(2, 2).conv_shape == (
+        conv_dim // 2,
+        3,
+    )  # per rank, model dtype
+    llama = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "vocab_size": 128,
+    }
+    assert model_spec(llama).linear_state(1, 4) is None
 
 
 def test_ledger_bytes_equal_the_pools(engine: kiln.Engine) -> None:
@@ -109,7 +121,7 @@ def test_ledger_bytes_equal_the_pools(engine: kiln.Engine) -> None:
 
 def _cpu_ledger(**kw):
     inputs = LedgerInputs(
-        hf_config=hybrid_config(max_position_embeddings=8192),
+        model=model_spec(hybrid_config(max_position_embeddings=8192)),
         device="cpu",
         device_memory_bytes=GIB,
         available_memory_bytes=GIB,

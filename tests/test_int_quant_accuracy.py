@@ -22,7 +22,7 @@ from test_gguf_loader import VOCAB, _tiny_weights, _write_gguf
 
 from kiln.config import ServerArgs
 from kiln.layers import cpu_gemm, int_gemm
-from kiln.loader.model_config import read_hf_config
+from kiln.loader.model_config import read_model_spec
 from kiln.memory.ledger_steps import static_bytes
 from kiln.memory.ledger_types import LedgerInputs
 from kiln.platform import gguf_blocks_expected
@@ -97,7 +97,7 @@ def _planned(path: str, mode: str, quantization: str | None = None) -> tuple[int
     args = ServerArgs(
         model_path=path, device="cpu", device_memory="4GiB", cpu_gemm=mode, quantization=quantization
     )
-    static = static_bytes(LedgerInputs.from_args(args, read_hf_config(path)))
+    static = static_bytes(LedgerInputs.from_args(args, read_model_spec(path)))
     return static.weights, static.packed_head
 
 

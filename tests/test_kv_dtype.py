@@ -19,7 +19,7 @@ from kiln.config import ServerArgs
 from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name, kv_torch_dtype
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.layers.cpu_gemm import cpu_decode_attention, has_cpu_decode_attention
-from kiln.loader.model_config import load_model_config, read_hf_config
+from kiln.loader.model_config import load_model_config, read_model_spec
 from kiln.memory.fix_search import serve_accepts
 from kiln.memory.kv_pool import KVPool, LatentKVPool, copyable
 from kiln.memory.ledger import compute_ledger
@@ -271,7 +271,7 @@ def test_pool_bytes_are_the_ledgers_and_plan_names_the_dtype(runner, tiny_llama,
         "1000",
     ]
     args = ServerArgs(model_path=tiny_llama, device="cpu", kv_cache_dtype=dtype, max_total_tokens=1000)
-    ledger = compute_ledger(LedgerInputs.from_args(args, read_hf_config(tiny_llama)))
+    ledger = compute_ledger(LedgerInputs.from_args(args, read_model_spec(tiny_llama)))
     _use_pool(runner, dtype, ledger.max_total_num_tokens)
     assert runner.measured["kv_pool"] == ledger.line("kv pool").bytes
     assert plan.main(argv) == 0

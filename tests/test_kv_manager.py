@@ -246,12 +246,31 @@ def test_admission_evicts_least_recently_used(ps: int) -> None:
         s.prefill(r)
         s.finish(r)
     assert s.kv.cache.total_size() == aligned(16, ps) * 3
-    touch = s.new(seqs[0] + [5])  # refresh sequence 0
-    assert s.kv.match(touch) == aligned(16, ps)
+    assert s.kv.match(s.new(seqs[0] + [5])) == aligned(16, ps)  # a lookup: it refreshes nothing
+    touch = s.new(seqs[0] + [5])  # admitting a request refreshes sequence 0
+    s.prefill(touch)
+    s.finish(touch)
     big = s.new(list(range(900, 930)))
     assert s.prefill(big)  # needs evictions
     assert s.kv.match(s.new(seqs[0] + [5])) == aligned(16, ps), "the most recently used entry was evicted"
     assert s.kv.match(s.new(seqs[1] + [5])) == 0
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_a_lookup_neither_refreshes_nor_splits(ps: int) -> None:
+    """Sorting the queue looks prefixes up (KVManager.match): the oldest entry stays the first evicted, and a
+    lookup that ends inside a node leaves it whole."""
+    s = Sim(pool=64, ps=ps)
+    seqs = [[k * 100 + i for i in range(16)] for k in range(3)]
+    for seq in seqs:
+        r = s.new(seq)
+        s.prefill(r)
+        s.finish(r)
+    nodes = len(list(s.kv.cache._iter_nodes()))
+    assert s.kv.match(s.new(seqs[0] + [5])) == aligned(16, ps)
+    assert s.kv.match(s.new(seqs[0][:8] + [1] * 8)) == 8 and len(list(s.kv.cache._iter_nodes())) == nodes
+    assert s.prefill(s.new(list(range(900, 930))))  # needs evictions: the least recently used goes first
+    assert s.kv.match(s.new(seqs[0] + [5])) == 0 and s.kv.match(s.new(seqs[2] + [5])) == aligned(16, ps)
 
 
 @pytest.mark.parametrize("ps,radix", CONFIGS, ids=IDS)

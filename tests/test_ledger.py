@@ -13,8 +13,11 @@ from kiln.memory.graph_budget import CPU_COMPILED_STEP_BYTES, CPU_COMPILER_BYTES
 from kiln.memory.ledger import compute_ledger
 from kiln.memory.ledger_format import format_refusal
 from kiln.memory.ledger_types import LedgerInputs
-from kiln.memory.model_shapes import kv_bytes_per_token, param_counts, weight_bytes
+from kiln.models.spec import ModelSpec
 from kiln.platform import host_available_bytes, host_total_bytes, parse_size
+
+model_spec = ModelSpec.from_config  # a model config dict's spec
+
 
 pytestmark = pytest.mark.unit
 
@@ -52,35 +55,44 @@ def ledger(cfg: dict, device: str = "cuda", mem_gib: float = 80, **kw):
     mem = int(mem_gib * GIB)
     kw.setdefault("dtype", "bfloat16")
     return compute_ledger(
-        LedgerInputs(hf_config=cfg, device=device, device_memory_bytes=mem, available_memory_bytes=mem, **kw)
+        LedgerInputs(
+            model=model_spec(cfg), device=device, device_memory_bytes=mem, available_memory_bytes=mem, **kw
+        )
     )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_kv_bytes_per_token_public_models(tp):
-    assert kv_bytes_per_token(LLAMA_31_8B, tp, 2) == 131_072 // tp  # 8 kv heads x 256 x 32 layers x 2 B
-    assert kv_bytes_per_token(QWEN3_8B, tp, 2) == 147_456 // tp  # 8 x 256 x 36 x 2
-    assert kv_bytes_per_token(DEEPSEEK_V3, tp, 2) == 70_272  # (512 + 64) x 61 x 2, latent not split by TP
+    assert (
+        model_spec(LLAMA_31_8B).kv_bytes_per_token(tp, 2) == 131_072 // tp
+    )  # 8 kv heads x 256 x 32 layers x 2 B
+    assert model_spec(QWEN3_8B).kv_bytes_per_token(tp, 2) == 147_456 // tp  # 8 x 256 x 36 x 2
+    assert (
+        model_spec(DEEPSEEK_V3).kv_bytes_per_token(tp, 2) == 70_272
+    )  # (512 + 64) x 61 x 2, latent not split by TP
 
 
 def test_kv_heads_replicated_when_tp_exceeds_kv_heads():
     # 8 kv heads on 16 ranks: every rank still holds one head
-    assert kv_bytes_per_token(LLAMA_31_8B, 16, 2) == 1 * 256 * 32 * 2
+    assert model_spec(LLAMA_31_8B).kv_bytes_per_token(16, 2) == 1 * 256 * 32 * 2
     # 2 kv heads on 4 ranks: 1 head per rank, not half a head
-    assert kv_bytes_per_token(TINY, 4, 4) == 1 * (16 + 16) * 2 * 4
-    assert kv_bytes_per_token(TINY, 1, 4) == 2 * (16 + 16) * 2 * 4
-    assert kv_bytes_per_token(LLAMA_31_8B, 1, 1) == 65_536  # fp8 KV halves the bf16 cell
+    assert model_spec(TINY).kv_bytes_per_token(4, 4) == 1 * (16 + 16) * 2 * 4
+    assert model_spec(TINY).kv_bytes_per_token(1, 4) == 2 * (16 + 16) * 2 * 4
+    assert model_spec(LLAMA_31_8B).kv_bytes_per_token(1, 1) == 65_536  # fp8 KV halves the bf16 cell
 
 
 def test_weight_bytes_public_models():
-    assert weight_bytes(LLAMA_31_8B, 1, 2) == LLAMA_PARAMS * 2  # 16.06e9
-    assert abs(weight_bytes(LLAMA_31_8B, 1, 2) - 16.06e9) < 0.01e9
+    assert model_spec(LLAMA_31_8B).weight_bytes(1, 2) == LLAMA_PARAMS * 2  # 16.06e9
+    assert abs(model_spec(LLAMA_31_8B).weight_bytes(1, 2) - 16.06e9) < 0.01e9
     for tp in (2, 4, 8):  # everything but the norms is split (8 kv heads cover 8 ranks)
-        assert weight_bytes(LLAMA_31_8B, tp, 2) == ((LLAMA_PARAMS - LLAMA_NORMS) // tp + LLAMA_NORMS) * 2
-    assert abs(sum(param_counts(QWEN3_8B, 1)) - 8.19e9) < 0.01e9
-    assert abs(sum(param_counts(DEEPSEEK_V3, 1)) - 671e9) / 671e9 < 0.01  # without the MTP layer
+        assert (
+            model_spec(LLAMA_31_8B).weight_bytes(tp, 2)
+            == ((LLAMA_PARAMS - LLAMA_NORMS) // tp + LLAMA_NORMS) * 2
+        )
+    assert abs(sum(model_spec(QWEN3_8B).param_counts(1)) - 8.19e9) < 0.01e9
+    assert abs(sum(model_spec(DEEPSEEK_V3).param_counts(1)) - 671e9) / 671e9 < 0.01  # without the MTP layer
     # fp8 checkpoint dequantized to bf16 at load: 2 B a parameter (and the float32 routers: a little more)
-    assert 2 * 671e9 < weight_bytes(DEEPSEEK_V3, 1, 2) < 2 * 1.01 * 671e9 + 2e9
+    assert 2 * 671e9 < model_spec(DEEPSEEK_V3).weight_bytes(1, 2) < 2 * 1.01 * 671e9 + 2e9
 
 
 def test_weight_bytes_match_transformers_parameter_counts():
@@ -107,13 +119,13 @@ def test_weight_bytes_match_transformers_parameter_counts():
         n = sum(p.numel() for p in model.parameters())
         # DeepSeek-V3's e_score_correction_bias: a buffer in transformers, held by checkpoints and Kiln alike
         n += sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
-        assert weight_bytes(cfg.to_dict(), 1, 4) == n * 4, cfg.model_type
+        assert model_spec(cfg.to_dict()).weight_bytes(1, 4) == n * 4, cfg.model_type
 
 
 def test_gguf_weight_total_is_used():
     cfg = dict(TINY, kiln_gguf={"weight_bytes_f32": 4_000_000})
-    assert weight_bytes(cfg, 1, 4) == 4_000_000
-    assert weight_bytes(cfg, 1, 2) == 2_000_000
+    assert model_spec(cfg).weight_bytes(1, 4) == 4_000_000
+    assert model_spec(cfg).weight_bytes(1, 2) == 2_000_000
 
 
 @pytest.mark.parametrize("mem_gib", [24, 80, 141])
@@ -269,7 +281,7 @@ def test_draft_model_adds_weights_and_kv():
         LLAMA_31_8B,
         mem_gib=80,
         mem_fraction_static=0.8,
-        draft_hf_config=dict(LLAMA_31_8B, num_hidden_layers=1),
+        draft=model_spec(dict(LLAMA_31_8B, num_hidden_layers=1)),
     )
     assert spec.kv_bytes_per_token == base.kv_bytes_per_token + 131_072 // 32
     assert spec.line("draft weights").bytes > 0

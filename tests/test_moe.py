@@ -25,8 +25,11 @@ import kiln.distributed as distributed
 import kiln.layers.linear as linear
 import kiln.layers.moe as moe
 import kiln.layers.rotary as rotary
-from kiln.core.sharding import tp_size_problems
 from kiln.layers.moe import FusedMoE, MoESpec, RouterSpec, SparseMoeBlock, TopKRouter, is_sparse_layer
+from kiln.models.spec import ModelSpec
+
+model_spec = ModelSpec.from_config  # a model config dict's spec
+
 
 pytestmark = pytest.mark.engine
 
@@ -175,7 +178,8 @@ def test_a_sliding_window_is_refused_over_a_longer_context() -> None:
     from kiln.models.registry import check_model_config
 
     def config(**changes) -> ModelConfig:
-        base = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 16}
+        base = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 16,
+                "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128}  # fmt: skip
         return ModelConfig.from_hf_dict("m", {**base, **changes})
 
     check_model_config(config(sliding_window=128), 4096)  # the window is off without use_sliding_window
@@ -433,10 +437,9 @@ def test_the_tiny_model_is_sparse(engine: kiln.Engine) -> None:
 
 
 def test_the_ledger_counts_the_parameters_the_model_holds(engine: kiln.Engine, model_path: str) -> None:
-    from kiln.memory.model_shapes import param_counts
 
     held = sum(p.numel() for p in dict(engine.scheduler.runner.model.named_parameters()).values())
-    assert sum(param_counts(json.loads(Path(model_path, "config.json").read_text()), 1)) == held
+    assert sum(model_spec(json.loads(Path(model_path, "config.json").read_text())).param_counts(1)) == held
 
 
 def test_an_unknown_scoring_function_is_refused_at_startup(tmp_path: Path) -> None:
@@ -450,10 +453,19 @@ def test_an_unknown_scoring_function_is_refused_at_startup(tmp_path: Path) -> No
 def test_ep_size_must_split_the_experts() -> None:
     """--ep-size divides the routed experts and leaves tp / ep ranks that divide each expert's intermediate size;
     a dense model has no experts to split. The refusal names the dimension."""
-    cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "moe_intermediate_size": 32, "num_experts": 8}
-    assert tp_size_problems(cfg, 2, 2) == [] and tp_size_problems(cfg, 4, 2) == []
-    assert tp_size_problems({**cfg, "num_experts": 6}, 4, 4) == ["routed experts 6 (by --ep-size 4)"]
-    assert tp_size_problems({**cfg, "moe_intermediate_size": 31}, 4, 2) == ["moe_intermediate_size 31"]
-    assert tp_size_problems({**cfg, "moe_intermediate_size": 31}, 2, 2) == []  # whole experts: no split
-    dense = {"num_attention_heads": 4, "intermediate_size": 64}
-    assert "this model is dense" in tp_size_problems(dense, 2, 2)[0]
+    cfg = {
+        **{"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128},
+        **{"num_attention_heads": 4, "num_key_value_heads": 2, "moe_intermediate_size": 32, "num_experts": 8},
+    }
+    assert model_spec(cfg).tp_problems(2, 2) == [] and model_spec(cfg).tp_problems(4, 2) == []
+    assert model_spec({**cfg, "num_experts": 6}).tp_problems(4, 4) == ["routed experts 6 (by --ep-size 4)"]
+    assert model_spec({**cfg, "moe_intermediate_size": 31}).tp_problems(4, 2) == ["moe_intermediate_size 31"]
+    assert model_spec({**cfg, "moe_intermediate_size": 31}).tp_problems(2, 2) == []  # whole experts: no split
+    dense = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "vocab_size": 128,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+    }
+    assert "this model is dense" in model_spec(dense).tp_problems(2, 2)[0]

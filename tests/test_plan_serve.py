@@ -15,10 +15,12 @@ from kiln.config import ServerArgs
 from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
 from kiln.core.sharding import kv_heads_per_rank
 from kiln.loader.default_model import default_model_path
-from kiln.loader.model_config import read_hf_config
+from kiln.loader.model_config import read_model_spec
 from kiln.memory.fix_search import flags_argv, offered_fixes, serve_accepts
 from kiln.memory.ledger import compute_core, compute_ledger
 from kiln.memory.ledger_types import LedgerInputs
+from kiln.models.shapes import checkpoint_dtype, half_dtype
+from kiln.models.spec import ModelSpec
 from kiln.scheduler.launch import build_engine
 from kiln.scheduler.resolve import StartupRefused, plan_ledger, resolve, target_platform
 
@@ -81,7 +83,7 @@ FAILING = {
 def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flags):
     argv = ["--model-path", model_dir(LLAMA_31_8B)] + flags
     args = serve_args(argv)
-    inputs = LedgerInputs.from_args(args, read_hf_config(args.model_path))
+    inputs = LedgerInputs.from_args(args, read_model_spec(args.model_path))
     ledger = compute_core(inputs)
     assert not ledger.fits
     fixes = offered_fixes(inputs, ledger, compute_core)
@@ -90,7 +92,7 @@ def test_every_offered_fix_is_accepted_by_serve_and_fits(capsys, model_dir, flag
         assert serve_accepts(fix.flags)
         fixed = serve_args(argv + flags_argv(fix.flags))  # the later flag wins, as on a command line
         resolve(fixed, target_platform(fixed, serving=False)).check_fits()  # the whole resolve path runs it
-        assert compute_ledger(LedgerInputs.from_args(fixed, inputs.hf_config)).fits, fix.text
+        assert compute_ledger(LedgerInputs.from_args(fixed, inputs.model)).fits, fix.text
     rc, data = plan_json(capsys, argv)
     assert rc == 1 and data["failure"]["fix_flags"] == fixes[0].flags
     assert data["failure"]["fix"] == "use " + ", or ".join(fix.text for fix in fixes)
@@ -217,7 +219,9 @@ def test_serve_refuses_an_unusable_storage_dir_before_loading_weights(tmp_path, 
 def test_mem_fraction_static_one_rule(capsys, model_dir, value):
     with pytest.raises(ValueError, match="--mem-fraction-static"):
         ServerArgs(mem_fraction_static=float(value))
-    inputs = LedgerInputs(hf_config=TINY, device_memory_bytes=2**30, available_memory_bytes=2**30)
+    inputs = LedgerInputs(
+        model=ModelSpec.from_config(TINY), device_memory_bytes=2**30, available_memory_bytes=2**30
+    )
     with pytest.raises(ValueError, match="--mem-fraction-static"):
         compute_ledger(replace(inputs, mem_fraction_static=float(value)))
     argv = ["--model-path", model_dir(TINY), "--device", "cpu", "--mem-fraction-static", value]
@@ -270,7 +274,7 @@ def test_plan_says_when_the_pool_caps_requests_below_the_context(capsys, model_d
 )
 @pytest.mark.unit
 def test_one_dtype_resolver(config, device, requested, expected):
-    assert resolve_dtype_name(config, device, requested) == expected
+    assert resolve_dtype_name(checkpoint_dtype(config), half_dtype(config), device, requested) == expected
 
 
 @pytest.mark.unit
@@ -279,7 +283,7 @@ def test_kv_cache_dtype_auto_is_the_dtype():
     assert kv_cache_dtype_name(None, "float32") == "float32"
     assert kv_cache_dtype_name("bfloat16", "float32") == "bfloat16"
     with pytest.raises(ValueError):
-        resolve_dtype_name({}, "cpu", "float7")
+        resolve_dtype_name(None, "float16", "cpu", "float7")
 
 
 @pytest.mark.parametrize(

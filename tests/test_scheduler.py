@@ -22,6 +22,7 @@ from kiln.memory.allocator import TokenAllocator
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
+from kiln.scheduler.req import ReqState
 from kiln.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
@@ -310,6 +311,51 @@ def test_chunks_of_a_prompt_share_the_budget_with_new_requests() -> None:
     assert all(sum(e) <= 64 for e in extends(s))
     for rid, n, k in zip(rids, (100, 20, 20), (1, 2, 3)):
         assert ids(outs[rid]) == expected(prompt(n, k), 8)
+
+
+# ---------------------------------------------------------------- request states
+
+
+def test_a_request_moves_through_its_states_with_its_queues() -> None:
+    """waiting -> prefilling (a chunk a step) -> running -> finished; every step's integrity check holds each live
+    request's state to the queue it is in."""
+    s = make(chunk=64)
+    rid = add(s, prompt(150, 1), max_new=3)
+    req = s.reqs[rid]
+    seen = [req.state]
+    outs = defaultdict(list)
+    while s.has_work:
+        step(s, outs)
+        if seen[-1] != req.state:
+            seen.append(req.state)
+    assert seen == [ReqState.WAITING, ReqState.PREFILLING, ReqState.RUNNING, ReqState.FINISHED]
+
+
+def test_a_retracted_request_is_preempted_then_runs_again() -> None:
+    s = make(pool=256, max_running=8)
+    reqs = [s.reqs[add(s, prompt(10 + k, k), max_new=64)] for k in range(8)]
+    history: dict[str, list[ReqState]] = {r.rid: [r.state] for r in reqs}
+    outs = defaultdict(list)
+    while s.has_work:
+        step(s, outs)
+        for r in reqs:
+            if history[r.rid][-1] != r.state:
+                history[r.rid].append(r.state)
+    preempted = [h for h in history.values() if ReqState.PREEMPTED in h]
+    assert preempted and s.make_stats().retracted >= len(preempted)
+    for h in preempted:
+        at = h.index(ReqState.PREEMPTED)
+        # re-admitted, its prompt and output prefilled again: within one step when it fits one batch
+        assert h[at - 1] == ReqState.RUNNING and h[at + 1] in (ReqState.PREFILLING, ReqState.RUNNING)
+        assert h[-1] == ReqState.FINISHED
+
+
+def test_the_integrity_check_names_a_request_in_the_wrong_state() -> None:
+    s = make()
+    rid = add(s, prompt(5, 1))
+    s.reqs[rid].state = ReqState.RUNNING  # still in the waiting queue
+    report = s.check_integrity()
+    assert not report["ok"] and report["misplaced_states"] == [f"{rid}: running in waiting"]
 
 
 # ---------------------------------------------------------------- retraction

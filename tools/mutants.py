@@ -54,7 +54,7 @@ MUTANTS = [
            "keep = torch.ones_like(vals, dtype=torch.bool)",
            [T + "sampler.py::test_top_k_restricts_to_k_best"]),
     Mutant("ledger_kv_one_layer_short", "the ledger's KV bytes per token count one layer too few",
-           "kiln/memory/model_shapes.py", "return (k + v) * kv_layers(cfg) * element_bytes",
+           "kiln/models/shapes.py", "return (k + v) * kv_layers(cfg) * element_bytes",
            "return (k + v) * (kv_layers(cfg) - 1) * element_bytes",
            [T + "ledger.py::test_kv_bytes_per_token_public_models"]),
     Mutant("retracted_request_dropped", "a retracted request is freed but never requeued",

@@ -54,36 +54,15 @@ def serving_dtype_name(name: str) -> str:
     return plain
 
 
-def _language_model_first(hf_config: dict) -> tuple[dict, dict]:
-    """The language model's part of a config (multimodal configs nest it under text_config), then the whole."""
-    text = hf_config.get("text_config")
-    return (text if isinstance(text, dict) else {}), hf_config
-
-
-def checkpoint_dtype_name(hf_config: dict) -> str | None:
-    """The dtype the checkpoint was saved in, or None when its config does not say."""
-    for config in _language_model_first(hf_config):
-        name = config.get("torch_dtype") or config.get("dtype")
-        if name:
-            return _plain_name(name)
-    return None
-
-
-def resolve_dtype_name(hf_config: dict, device: str, requested: str | None = "auto") -> str:
+def resolve_dtype_name(checkpoint: str | None, half: str, device: str, requested: str | None = "auto") -> str:
     """The weight/activation dtype served: the requested one, or for "auto" float32 on the CPU (stock PyTorch is
-    fastest there) and on CUDA what SGLang's model_config `_get_and_verify_dtype` picks: the checkpoint's half
-    type, and float16 for a float32 or unspecified checkpoint (bfloat16 for the Gemma family, whose activations
-    overflow float16)."""
+    fastest there) and on CUDA what SGLang's model_config `_get_and_verify_dtype` picks: the `checkpoint`'s half
+    type, and the model's `half` type for a float32 or unspecified checkpoint (ModelSpec.half_dtype)."""
     if requested and requested != "auto":
         return serving_dtype_name(requested)
     if not device.startswith("cuda"):
         return "float32"
-    saved = checkpoint_dtype_name(hf_config)
-    if saved in ("bfloat16", "float16"):
-        return saved
-    text, whole = _language_model_first(hf_config)
-    model_type = str(text.get("model_type") or whole.get("model_type") or "")
-    return "bfloat16" if model_type.startswith("gemma") else "float16"
+    return checkpoint if checkpoint in ("bfloat16", "float16") else half
 
 
 def kv_cache_dtype_name(requested: str | None, dtype: str) -> str:

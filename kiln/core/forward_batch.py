@@ -103,6 +103,9 @@ class ForwardBatch:
     # EXTEND: per request, the extend length, the prefix length and the slots of the whole sequence
     extend_lens: list[int] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
+    # EXTEND: each request's whole sequence as this prefill knows it (a chunk's request runs on past it), for the
+    # layers that depend on it (LongRoPE's factors follow the sequence's length, not the chunk's)
+    fill_lens: list[int] = field(default_factory=list)
     seq_slots: list[torch.Tensor] = field(default_factory=list)
     # DECODE: [B, L] slots of every sequence, padded with slot 0, and the [B, 1, 1, L] validity mask
     kv_table: torch.Tensor | None = None

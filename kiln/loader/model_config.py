@@ -8,7 +8,8 @@ import json
 import re
 from pathlib import Path
 
-from kiln.models.config import ModelConfig
+from kiln.models.config import ModelConfig, model_spec
+from kiln.models.spec import ModelSpec
 
 # "name" or "org/name" as the Hub spells them; anything else (./x, /x, a/b/c, ~/x) can only be a local path
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -86,7 +87,18 @@ def read_hf_config(model_path: str, revision: str | None = None, flag: str = "--
     return config
 
 
-def load_model_config(model_path: str, revision: str | None = None) -> ModelConfig:
+def read_model_spec(model_path: str, revision: str | None = None, flag: str = "--model-path") -> ModelSpec:
+    """The ModelSpec of a model path (see read_hf_config); ValueError naming the flag for a config it cannot use."""
+    config = read_hf_config(model_path, revision, flag)
+    try:
+        return model_spec(config)
+    except ValueError as e:
+        raise ValueError(f"{flag} {model_path}: {e}") from None
+
+
+def load_model_config(
+    model_path: str, revision: str | None = None, flag: str = "--model-path"
+) -> ModelConfig:
     """The ModelConfig of a model path, its weights' path resolved (see resolve_model_path)."""
-    resolved = resolve_model_path(model_path, revision)
-    return ModelConfig.from_hf_dict(resolved, read_hf_config(resolved))
+    resolved = resolve_model_path(model_path, revision, flag)
+    return ModelConfig.from_hf_dict(resolved, read_hf_config(resolved, flag=flag))

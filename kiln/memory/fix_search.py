@@ -11,11 +11,9 @@ from dataclasses import dataclass, replace
 
 from kiln.config import ServerArgs
 from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
-from kiln.core.sharding import tp_size_problems
 from kiln.core.units import gib
 from kiln.memory.ledger_states import per_request_slots
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.memory.model_shapes import fp8_weight_block, param_counts, weight_bytes
 
 Core = Callable[[LedgerInputs], Ledger]
 
@@ -169,7 +167,7 @@ def _dtype_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
     if dtype_bytes(inputs.dtype) > 2:
         trial = replace(inputs, dtype="bfloat16")
         if _fits(core, trial):
-            weights = weight_bytes(inputs.hf_config, inputs.tp_size, 2, inputs.fp8_weights_kept)
+            weights = inputs.model.weight_bytes(inputs.tp_size, 2, inputs.fp8_weights_kept)
             yield Candidate(
                 {"--dtype": "bfloat16"}, trial, f"--dtype bfloat16 (weights {gib(weights)} per rank)"
             )
@@ -180,13 +178,9 @@ def _tp_candidate(inputs: LedgerInputs, core: Core) -> Iterator[Candidate]:
     heads and dimensions) the model fits on."""
     for tp in (2, 4, 8, 16):
         trial = replace(inputs, tp_size=tp)
-        block = fp8_weight_block(inputs.hf_config) if inputs.fp8_weights_kept else None
-        if (
-            tp > inputs.tp_size
-            and not tp_size_problems(inputs.hf_config, tp, fp8_block=block)
-            and _fits(core, trial)
-        ):
-            weights = weight_bytes(inputs.hf_config, tp, dtype_bytes(inputs.dtype), inputs.fp8_weights_kept)
+        block = inputs.model.fp8_block if inputs.fp8_weights_kept else None
+        if tp > inputs.tp_size and not inputs.model.tp_problems(tp, fp8_block=block) and _fits(core, trial):
+            weights = inputs.model.weight_bytes(tp, dtype_bytes(inputs.dtype), inputs.fp8_weights_kept)
             yield Candidate(
                 {"--tp-size": str(tp)}, trial, f"--tp-size {tp} (weights {gib(weights)} per rank)"
             )
@@ -277,10 +271,10 @@ def find_fix(inputs: LedgerInputs, ledger: Ledger, core: Core) -> tuple[str, dic
 
 def _no_fix(inputs: LedgerInputs, ledger: Ledger) -> str:
     need = ledger.weight_bytes + ledger.line("runtime overhead").bytes
-    splits = any(not tp_size_problems(inputs.hf_config, tp) for tp in (2, 4, 8))
+    splits = any(not inputs.model.tp_problems(tp) for tp in (2, 4, 8))
     gpus = "a GPU with more memory" + (" or more GPUs" if splits else "")
     where = gpus if inputs.device.startswith("cuda") else "a machine with more RAM"
-    linear, other = param_counts(inputs.hf_config, inputs.tp_size)
+    linear, other = inputs.model.param_counts(inputs.tp_size)
     q4 = (linear + other) * 0.5625  # ~4.5 bits per parameter with scales
     return (
         f"no flag fixes this here: the weights alone need {gib(need)} per rank with the runtime and "

@@ -22,7 +22,7 @@ from kiln.core.graph_shapes import (
 )
 from kiln.core.units import GIB, MIB
 from kiln.memory.ledger_types import LedgerInputs
-from kiln.memory.model_shapes import context_len_of, head_dim, is_mla, kv_dims, required, text_config
+from kiln.models.spec import ModelSpec
 
 # CPU compiled shapes: inductor's runtime once, then each shape's code and buffers, sized from the process RSS
 # across the capture phase with the default model (docs/benchmarks.md, Graph capture on the CPU).
@@ -125,17 +125,16 @@ def cuda_graph_reserve(
     layer (and the draft's decode and catch-up graphs' the same); prefill: at the largest token count, the static
     buffers (two hidden states, attention output, q/k/v, cos/sin) and one piece's activations (gate_up, its
     product, float32 norms unless fused); and a cost per graph (less where the step's kernels are fused)."""
-    cfg = text_config(inputs.hf_config)
     decode_bytes = _decode_graph_bytes(inputs, max(sizes)) if sizes else 0
     draft_bytes = _draft_graph_bytes(inputs, sizes)
     prefill_bytes = _prefill_graph_bytes(inputs, max(prefill)) if prefill else 0
     verify, draft = speculative_graphs(inputs, sizes)
     # a draft model's extends on prefill pieces: two graphs per layer per token count, as the target's prefill
     draft += len(_draft_extends(inputs, sizes, prefill)) * inputs.draft_extend_layers * 2
-    graphs = len(sizes) + verify + draft + len(prefill) * required(cfg, "num_hidden_layers") * 2
+    graphs = len(sizes) + verify + draft + len(prefill) * inputs.model.num_layers * 2
     per_graph = CUDA_BYTES_PER_FUSED_GRAPH if inputs.fused_step_kernels else CUDA_BYTES_PER_GRAPH
     total = CUDA_GRAPH_RUNTIME_BYTES + decode_bytes + draft_bytes + prefill_bytes + graphs * per_graph
-    if is_mla(cfg):
+    if inputs.model.is_mla:
         total += 1536 * MIB  # SGLang's MLA allowance
     text = (
         f"runtime {CUDA_GRAPH_RUNTIME_BYTES // MIB} MiB + decode bs <= {max(sizes, default=0)} "
@@ -153,46 +152,45 @@ def _draft_graph_bytes(inputs: LedgerInputs, sizes: tuple[int, ...]) -> int:
     own (their largest graph, logits at one row per request)."""
     if not sizes or not inputs.draft_rows_per_req:
         return 0
-    cfg = inputs.draft_hf_config or inputs.hf_config
-    total = _decode_graph_bytes(inputs, max(sizes) * inputs.draft_rows_per_req, hf_config=cfg)
+    model = inputs.draft or inputs.model
+    total = _decode_graph_bytes(inputs, max(sizes) * inputs.draft_rows_per_req, model=model)
     tokens = inputs.draft_catch_up_tokens_per_req
     rows = catch_up_rows(list(sizes), tokens, max(sizes)) if tokens else []
     if rows:
-        total += _decode_graph_bytes(inputs, max(rows), max(rows) // tokens, hf_config=cfg)
+        total += _decode_graph_bytes(inputs, max(rows), max(rows) // tokens, model=model)
     return total
 
 
 def _decode_graph_bytes(
-    inputs: LedgerInputs, batch: int, logits_rows: int | None = None, hf_config: dict | None = None
+    inputs: LedgerInputs, batch: int, logits_rows: int | None = None, model: ModelSpec | None = None
 ) -> int:
     """The largest decode graph: static and graph logits (of every row, or `logits_rows`), and one layer's K and V
-    gathered to the graphs' width where attention gathers them; of the target, or of the model `hf_config`
-    describes (a draft's, whose logits are over its own vocabulary: EAGLE-3's draft_vocab_size)."""
-    cfg = text_config(hf_config or inputs.hf_config)
+    gathered to the graphs' width where attention gathers them; of the target, or of `model` (a draft's, whose logits are over its own vocabulary: EAGLE-3's draft_vocab_size)."""
+    model = model or inputs.model
     kv_element_bytes = dtype_bytes(kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype))
-    key_width, value_width, _ = kv_dims(cfg, inputs.tp_size)
-    width = min(inputs.context_length or context_len_of(inputs.hf_config), CUDA_GRAPH_KV_WIDTH)
-    vocab = int(cfg.get("draft_vocab_size") or required(cfg, "vocab_size"))
+    key_width, value_width, _ = model.kv_dims(inputs.tp_size)
+    width = min(inputs.context_length or inputs.model.context_len, CUDA_GRAPH_KV_WIDTH)
+    vocab = model.draft_vocab_size or model.vocab_size
     gathered = batch * width * (key_width + value_width) * kv_element_bytes if inputs.attention_gathers else 0
     return 2 * (batch if logits_rows is None else logits_rows) * vocab * 4 + gathered
 
 
 def _prefill_graph_bytes(inputs: LedgerInputs, tokens: int) -> int:
     """The largest prefill graph: its static buffers and one piece's activations, at `tokens` tokens."""
-    cfg, tp = text_config(inputs.hf_config), inputs.tp_size
+    model, tp = inputs.model, inputs.tp_size
     activation_bytes = dtype_bytes(inputs.dtype)
-    hidden = required(cfg, "hidden_size")
-    key_width, value_width, _ = kv_dims(cfg, tp)
-    query_width = math.ceil(required(cfg, "num_attention_heads") / tp) * head_dim(cfg)
-    intermediate = math.ceil(int(cfg.get("intermediate_size") or hidden) / tp)
-    static_buffers = 3 * hidden + query_width + key_width + value_width + 2 * head_dim(cfg)
+    hidden = model.hidden_size
+    key_width, value_width, _ = model.kv_dims(tp)
+    query_width = math.ceil(model.num_heads / tp) * model.head_dim
+    intermediate = math.ceil((model.intermediate_size or hidden) / tp)
+    static_buffers = 3 * hidden + query_width + key_width + value_width + 2 * model.head_dim
     norms = 0 if inputs.fused_step_kernels else 2 * hidden * 4  # the torch code's float32 copies
     return tokens * activation_bytes * static_buffers + tokens * (3 * intermediate * activation_bytes + norms)
 
 
 def sglang_graph_reserve(inputs: LedgerInputs, sizes: tuple[int, ...], prefill: tuple[int, ...]) -> int:
     """SGLang's reserve_for_graph: decode max_bs x 2 MiB + prefill sizes x 8 MiB (MLA: + 1536 MiB)."""
-    mla = 1536 if is_mla(text_config(inputs.hf_config)) else 0
+    mla = 1536 if inputs.model.is_mla else 0
     return (max(sizes, default=0) * 2 + len(prefill) * 8 + mla) * MIB
 
 

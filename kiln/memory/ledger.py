@@ -37,16 +37,8 @@ from kiln.memory.ledger_steps import (
     tier_staging_bytes,
 )
 from kiln.memory.ledger_types import Failure, Ledger, LedgerInputs, LedgerLine
-from kiln.memory.model_shapes import (
-    context_len_of,
-    context_overrun,
-    kv_dims,
-    kv_layers,
-    linear_state,
-    text_config,
-    weight_inputs,
-)
 from kiln.memory.pool_sizing import PoolRequest, PoolSizing, resolve_running_requests, size_pool
+from kiln.models.spec import ModelSpec
 
 __all__ = ["Ledger", "LedgerInputs", "compute_core", "compute_ledger"]
 
@@ -63,7 +55,7 @@ def compute_ledger(inputs: LedgerInputs) -> Ledger:
 def compute_core(inputs: LedgerInputs) -> Ledger:
     """compute_ledger without the fix search."""
     _validate(inputs)
-    state = linear_state(inputs.hf_config, inputs.tp_size, dtype_bytes(inputs.dtype))
+    state = inputs.model.linear_state(inputs.tp_size, dtype_bytes(inputs.dtype))
     if state is None:
         return _compute(inputs, None)
     if inputs.max_mamba_cache_size:
@@ -173,20 +165,20 @@ def _state_failure(plan: StatePlan | None) -> Failure | None:
     return Failure("kv_allocation", message, "")
 
 
-def context_length_refusal(hf_config: dict, context_length: int | None, allow: bool) -> str | None:
+def context_length_refusal(model: ModelSpec, context_length: int | None, allow: bool) -> str | None:
     """SGLang's rule: a --context-length past the model's longest context is refused unless asked for (`allow`,
     SGLang's environment switch)."""
-    overrun = context_overrun(hf_config, context_length)
+    overrun = model.context_overrun(context_length)
     if not overrun or allow:
         return None
     return (
-        f"{overrun}; use --context-length {context_len_of(hf_config)} or less, or set "
+        f"{overrun}; use --context-length {model.context_len} or less, or set "
         f"{envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN}=1 to allow it"
     )
 
 
 def _check_context_length(inputs: LedgerInputs) -> None:
-    refusal = context_length_refusal(inputs.hf_config, inputs.context_length, inputs.allow_longer_context)
+    refusal = context_length_refusal(inputs.model, inputs.context_length, inputs.allow_longer_context)
     if refusal:
         raise ValueError(refusal)
 
@@ -240,24 +232,22 @@ def weight_lines(inputs: LedgerInputs, static: StaticBytes) -> list[LedgerLine]:
         LedgerLine(
             "weights",
             static.weights,
-            weight_inputs(inputs.hf_config, inputs.tp_size, inputs.dtype, inputs.fp8_weights_kept)
-            + in_blocks,
+            inputs.model.weight_text(inputs.tp_size, inputs.dtype, inputs.fp8_weights_kept) + in_blocks,
         ),
     ]
     if static.packed_head:
         how = "in its GGUF blocks" if blocks and blocks.head_bytes else "vocab/tp x hidden x 4 B"
         text = f"CPU prepacked copy of the tied embedding: {how}"
         lines.append(LedgerLine("packed lm head", static.packed_head, text))
-    if inputs.draft_hf_config:
-        text = weight_inputs(inputs.draft_hf_config, inputs.tp_size, inputs.dtype, inputs.fp8_weights_kept)
+    if inputs.draft:
+        text = inputs.draft.weight_text(inputs.tp_size, inputs.dtype, inputs.fp8_weights_kept)
         lines.append(LedgerLine("draft weights", static.draft_weights, text))
     return lines
 
 
 def kv_lines(inputs: LedgerInputs, cell: KvCell, budget: PoolBudget) -> list[LedgerLine]:
-    cfg = text_config(inputs.hf_config)
-    _, value_width, widths = kv_dims(cfg, inputs.tp_size)
-    cell_text = f"{widths} x {kv_layers(cfg)} layers x {cell.element_bytes} B ({cell.dtype})"
+    _, value_width, widths = inputs.model.kv_dims(inputs.tp_size)
+    cell_text = f"{widths} x {inputs.model.kv_layers} layers x {cell.element_bytes} B ({cell.dtype})"
     if cell.draft:
         cell_text += f" + draft {cell.draft} B"
     pool = budget.pool_bytes

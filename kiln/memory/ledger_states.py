@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from kiln.core.units import gib, human
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.memory.model_shapes import LinearState, context_len_of
+from kiln.models.spec import LinearState
 
 # Checkpoint slots the prefix cache gets per running request (SGLang's MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO
 # is 3 slots per request: the working one and two for cached prefixes).
@@ -103,7 +103,7 @@ def size_for_requests(inputs: LedgerInputs, state: LinearState, compute: Compute
     """Kiln's own sizing: KV for --max-running-requests at the full context and their state slots, both set aside;
     when that does not fit, the most requests that do, with one line saying why and by how much."""
     asked = int(inputs.max_running_requests or 1)
-    context = inputs.context_length or context_len_of(inputs.hf_config)
+    context = inputs.context_length or inputs.model.context_len
     at = replace(inputs, context_length=context)
 
     def trial(running: int) -> Ledger:

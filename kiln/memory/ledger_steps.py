@@ -12,21 +12,8 @@ from kiln.core.graph_shapes import CPU_GRAPH_MAX_BS
 from kiln.core.units import GIB, MIB
 from kiln.memory.graph_budget import cuda_defaults, graph_batch_sizes, graph_prefill_tokens, graph_reserve
 from kiln.memory.ledger_types import LedgerInputs
-from kiln.memory.model_shapes import (
-    GgufBlocks,
-    context_len_of,
-    gguf_block_bytes,
-    int8_saved_bytes,
-    kv_bytes_per_token,
-    kv_dims,
-    kv_layers,
-    packed_lm_head_bytes,
-    prefill_activation,
-    required,
-    text_config,
-    weight_bytes,
-)
 from kiln.memory.tier_staging import STAGING_BYTES
+from kiln.models.spec import GgufBlocks
 
 # CPU default prefill chunk: at CPU prefill speed a chunk this long already holds running decodes back for
 # seconds; longer chunks stall them for longer without making prefill faster, and its activations are small.
@@ -52,23 +39,20 @@ class StaticBytes:
 
 def static_bytes(inputs: LedgerInputs) -> StaticBytes:
     element_bytes = dtype_bytes(inputs.dtype)
-    weights = weight_bytes(inputs.hf_config, inputs.tp_size, element_bytes, inputs.fp8_weights_kept)
+    model, tp = inputs.model, inputs.tp_size
+    weights = model.weight_bytes(tp, element_bytes, inputs.fp8_weights_kept)
     prepacked = not inputs.device.startswith("cuda") and inputs.dtype == "float32" and inputs.weight_prepack
-    packed_head = packed_lm_head_bytes(inputs.hf_config, inputs.tp_size) if prepacked else 0
-    blocks = (
-        gguf_block_bytes(inputs.hf_config, inputs.tp_size, inputs.gguf_block_types) if prepacked else None
-    )
+    packed_head = model.packed_lm_head_bytes(tp) if prepacked else 0
+    blocks = model.gguf_blocks(tp, inputs.gguf_block_types) if prepacked else None
     if (
         prepacked and inputs.int8_linears
     ):  # --quantization int8: 1 byte per weight and a float32 scale per row
-        weights -= int8_saved_bytes(inputs.hf_config, inputs.tp_size, element_bytes, inputs.gguf_block_types)
+        weights -= model.int8_saved_bytes(tp, element_bytes, inputs.gguf_block_types)
     if blocks is not None:  # GGUF matrices kept in their blocks instead of float32
         weights += blocks.linear_bytes - blocks.linear_params * element_bytes
         packed_head = blocks.head_bytes or packed_head
-    draft = inputs.draft_hf_config
-    draft_weights = (
-        weight_bytes(draft, inputs.tp_size, element_bytes, inputs.fp8_weights_kept) if draft else 0
-    )
+    draft = inputs.draft
+    draft_weights = draft.weight_bytes(tp, element_bytes, inputs.fp8_weights_kept) if draft else 0
     return StaticBytes(weights, packed_head, draft_weights, blocks, prepacked and inputs.int8_linears)
 
 
@@ -89,11 +73,11 @@ class KvCell:
 def kv_cell(inputs: LedgerInputs) -> KvCell:
     dtype = kv_cache_dtype_name(inputs.kv_cache_dtype, inputs.dtype)
     element_bytes = dtype_bytes(dtype)
-    model = kv_bytes_per_token(inputs.hf_config, inputs.tp_size, element_bytes)
-    if inputs.draft_hf_config:
-        draft = kv_bytes_per_token(inputs.draft_hf_config, inputs.tp_size, element_bytes)
+    model = inputs.model.kv_bytes_per_token(inputs.tp_size, element_bytes)
+    if inputs.draft:
+        draft = inputs.draft.kv_bytes_per_token(inputs.tp_size, element_bytes)
     else:  # NEXTN's head: layers of the target's own shape
-        k, v, _ = kv_dims(text_config(inputs.hf_config), inputs.tp_size)
+        k, v, _ = inputs.model.kv_dims(inputs.tp_size)
         draft = (k + v) * inputs.draft_head_kv_layers * element_bytes
     return KvCell(dtype, element_bytes, model, draft)
 
@@ -125,7 +109,7 @@ def tier_staging_bytes(inputs: LedgerInputs) -> int:
 
 def step_shapes(inputs: LedgerInputs) -> StepShapes:
     cuda = inputs.device.startswith("cuda")
-    context = inputs.context_length or context_len_of(inputs.hf_config)
+    context = inputs.context_length or inputs.model.context_len
     default_chunk, default_max_bs = (
         cuda_defaults(inputs.device_memory_bytes, inputs.tp_size)
         if cuda
@@ -136,8 +120,8 @@ def step_shapes(inputs: LedgerInputs) -> StepShapes:
         min(chunk, inputs.max_prefill_tokens) if chunk > 0 else max(inputs.max_prefill_tokens, context)
     )
     graph_chunk = chunk if chunk > 0 else prefill_tokens
-    prefill_bytes, prefill_text = prefill_activation(
-        inputs.hf_config, prefill_tokens, inputs.tp_size, dtype_bytes(inputs.dtype), inputs.device
+    prefill_bytes, prefill_text = inputs.model.prefill_activation(
+        prefill_tokens, inputs.tp_size, dtype_bytes(inputs.dtype), inputs.device
     )
     return StepShapes(
         context=context,
@@ -150,7 +134,7 @@ def step_shapes(inputs: LedgerInputs) -> StepShapes:
         overhead=RUNTIME_OVERHEAD_BYTES
         + (inputs.tp_size * GIB // 8 if cuda else 0)
         + tier_staging_bytes(inputs),
-        vocab=required(text_config(inputs.hf_config), "vocab_size"),
+        vocab=inputs.model.vocab_size,
     )
 
 
@@ -219,8 +203,8 @@ def pool_budget(
 ) -> PoolBudget:
     page = inputs.page_size
     pool = (tokens + page) * cell.total if tokens > 0 else 0
-    key_width, _, _ = kv_dims(text_config(inputs.hf_config), inputs.tp_size)
-    layers = kv_layers(text_config(inputs.hf_config))
+    key_width, _, _ = inputs.model.kv_dims(inputs.tp_size)
+    layers = inputs.model.kv_layers
     key_bytes = (tokens + page) * key_width * layers * cell.element_bytes if tokens > 0 else 0
     after_pool = (
         inputs.available_memory_bytes

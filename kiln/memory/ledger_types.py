@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import kiln.platform as platform
 from kiln.core import envs
-from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
-from kiln.memory.model_shapes import is_mla, text_config
+from kiln.core.dtypes import kv_cache_dtype_name
+from kiln.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from kiln.config import ServerArgs
@@ -20,7 +20,7 @@ MOMENTS = ("load_weights", "kv_allocation", "host_memory", "graph_capture", "fir
 
 @dataclass(frozen=True, kw_only=True)
 class LedgerInputs:
-    hf_config: dict
+    model: ModelSpec
     device: str = "cpu"
     device_memory_bytes: int
     available_memory_bytes: int  # free before loading, per rank
@@ -46,7 +46,7 @@ class LedgerInputs:
     hicache_ratio: float = 2.0
     host_memory_bytes: int | None = None  # node RAM available (defaults to probed)
     hicache_storage_dir: str | None = None  # the file storage tier's directory; None: no storage tier
-    draft_hf_config: dict | None = None  # speculative decoding draft model
+    draft: ModelSpec | None = None  # speculative decoding's draft model or head
     fp8_weights_kept: bool = False  # an FP8 checkpoint's weights held in FP8 (kiln.platform.fp8_weights_kept)
     # decode graphs gather one layer's K and V to the graphs' width (torch SDPA); the Triton backend reads the pool
     attention_gathers: bool = True
@@ -78,19 +78,19 @@ class LedgerInputs:
 
     @classmethod
     def from_args(
-        cls, args: ServerArgs, hf_config: dict, target: platform.Platform | None = None
+        cls, args: ServerArgs, model: ModelSpec, target: platform.Platform | None = None
     ) -> LedgerInputs:
-        """What `kiln serve` and `kiln plan` ask the ledger for these flags and this model config on `target`
+        """What `kiln serve` and `kiln plan` ask the ledger for these flags and this model on `target`
         (default: this machine's device for --device): the device and dtypes resolved, memory probed unless
         given or described. Raises ValueError for what cannot be planned."""
         target = target or platform.planned_platform(args.device, args.device_name, args.capability)
         device = target.device
         total, available = _device_memory(args, target)
-        dtype = resolve_dtype_name(hf_config, device, args.dtype)
+        dtype = model.serving_dtype(device, args.dtype)
         # only the CPU kernel keeps GGUF blocks; --cpu-gemm does not concern a CUDA plan
         blocks = platform.gguf_block_types(args.cpu_gemm) if device == "cpu" else ()
         return cls(
-            hf_config=hf_config,
+            model=model,
             device=device,
             device_memory_bytes=total,
             available_memory_bytes=available,
@@ -113,7 +113,7 @@ class LedgerInputs:
             or platform.attention_interpreted(device, args.attention_backend),
             disable_prefill_graph=args.disable_prefill_graph,
             # an MLA model's latent attention gathers its rows whatever --attention-backend says
-            attention_gathers=args.attention_backend != "triton" or is_mla(text_config(hf_config)),
+            attention_gathers=args.attention_backend != "triton" or model.is_mla,
             fused_step_kernels=platform.fused_step_kernels(device, dtype),
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_size_gb=args.hicache_size,
@@ -129,7 +129,7 @@ class LedgerInputs:
             fp8_weights_kept=platform.fp8_weights_kept(target, args.load_format),
             integer_kernels=bool(blocks) and platform.integer_compute(args.cpu_gemm),
             int8_linears=_int8_linears(args, device),
-            draft_hf_config=_draft_config(args),
+            draft=_draft_spec(args),
         )
 
 
@@ -156,16 +156,16 @@ def _device_memory(args: ServerArgs, target: platform.Platform) -> tuple[int, in
     return total, available
 
 
-def _draft_config(args: ServerArgs) -> dict | None:
-    """The config of the speculative draft model or head, whose weights and KV the ledger counts (NGRAM and
+def _draft_spec(args: ServerArgs) -> ModelSpec | None:
+    """The speculative draft model or head, whose weights and KV the ledger counts (NGRAM and
     NEXTN have none of their own)."""
     algorithm = getattr(args, "speculative_algorithm", None)
     path = getattr(args, "speculative_draft_model_path", None)
     if algorithm not in ("STANDALONE", "EAGLE", "EAGLE3") or not path:
         return None
-    from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_hf_config
+    from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_model_spec
 
-    return read_hf_config(path, flag=DRAFT_MODEL_FLAG)
+    return read_model_spec(path, flag=DRAFT_MODEL_FLAG)
 
 
 def storage_dir(args: ServerArgs) -> str | None:

@@ -32,7 +32,13 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of ``key``; refreshes its LRU time."""
+        """Longest cached page-aligned prefix of ``key``, made usable: refreshes its LRU time, and a tiered
+        cache brings it onto the device. The scheduler calls it where it admits a request, nowhere else."""
+
+    @abstractmethod
+    def peek_prefix(self, key: list[int]) -> int:
+        """How many leading tokens of ``key`` match_prefix would find (a tier's rows counted), changing
+        nothing: no LRU refresh, no split, no load, no collective."""
 
     @abstractmethod
     def lock(self, node: Any) -> None:
@@ -114,6 +120,9 @@ class NoPrefixCache(PrefixCache):
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         return MatchResult(indices=self._empty, node=None)
+
+    def peek_prefix(self, key: list[int]) -> int:
+        return 0
 
     def lock(self, node: Any) -> None:
         pass

@@ -143,6 +143,28 @@ class RadixCache(PrefixCache):
         indices = torch.cat(values) if values else self._empty
         return MatchResult(indices=indices, node=node)
 
+    def peek_prefix(self, key: list[int]) -> int:
+        """How many leading tokens of `key` a match would find, changing nothing: no node split, no LRU refresh, no
+        load from another tier (a node the host tier holds counts: admission's match loads it back), no storage
+        read, no collective. Orders the queue and budgets admission; the match at admission is where KV moves."""
+        end = len(key) // self.page_size * self.page_size
+        node, pos, path = self.root_node, 0, []
+        while pos < end:
+            child = node.children.get(self._page_key(key, pos))
+            if child is None:
+                break
+            m = self._common_len(child.key, key[:end], pos)
+            pos += m
+            path.append((child, pos, m == len(child.key)))
+            if m < len(child.key):
+                break
+            node = child
+        return self._peek_end(path)
+
+    def _peek_end(self, path: list[tuple[TreeNode, int, bool]]) -> int:
+        """Where a peek's walk ends, from the nodes it went through ((node, tokens to its end, whole))."""
+        return path[-1][1] if path else 0
+
     def _reach(self, node: TreeNode) -> bool:
         """A match walking into `node`: may it use it? (The two-tier cache loads a host-only node back here.)"""
         return True

@@ -75,6 +75,10 @@ class HybridRadixCache(RadixCache):
         finally:
             self._stored = False
 
+    def _peek_end(self, path: list[tuple[TreeNode, int, bool]]) -> int:
+        """As the match: at the deepest node wholly matched that keeps a state."""
+        return next((pos for node, pos, whole in reversed(path) if whole and node.checkpoint is not None), 0)
+
     def _beyond_tree(self, key: list[int], node: TreeNode, pos: int, values: list) -> tuple[TreeNode, int]:
         """A request can start only where a state was kept: back up to the deepest node with a checkpoint."""
         if self._stored:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.core.layer_kinds import LINEAR_ATTENTION
+from kiln.models.spec import ModelSpec
 
 # model types transformers does not know that are an architecture it does know under another name: Kimi-K2's
 # config.json names the DeepSeek-V3 architecture with its own model type
@@ -123,6 +124,7 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     is_gguf: bool
+    spec: ModelSpec  # what the engine reads of the model (its typed contract)
     mla: MlaDims | None = None  # set for latent attention: the KV pool then holds one latent row per token
     # set for hybrid models: their linear-attention layers keep a per-request state and no KV
     linear_attention: LinearAttentionSpec | None = None
@@ -144,10 +146,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, model_path: str, d: dict) -> ModelConfig:
         """The config of the model at `model_path` (a directory or a .gguf file) from its HF config dict."""
-        from transformers import AutoConfig
-
-        clean = {k: v for k, v in d.items() if not k.startswith("kiln_") and k != "model_type"}
-        hf = AutoConfig.for_model(MODEL_TYPE_ALIASES.get(d["model_type"], d["model_type"]), **clean)
+        hf = _transformers_config(d)
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         eos = d.get("eos_token_id")
@@ -169,6 +168,23 @@ class ModelConfig:
             max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
             eos_token_ids=eos_ids,
             is_gguf=model_path.endswith(".gguf"),
+            spec=ModelSpec.from_config(d, hf.to_dict()),  # as model_spec(d) builds it
             mla=MlaDims.from_hf(hf),
             linear_attention=LinearAttentionSpec.from_hf(hf),
         )
+
+
+def _transformers_config(d: dict) -> Any:
+    """transformers' config object for an HF config dict: its defaults filled in for what the dict leaves out."""
+    from transformers import AutoConfig
+
+    if "model_type" not in d:
+        raise ValueError("model config has no 'model_type'; is this a decoder LLM config.json?")
+    clean = {k: v for k, v in d.items() if not k.startswith("kiln_") and k != "model_type"}
+    return AutoConfig.for_model(MODEL_TYPE_ALIASES.get(d["model_type"], d["model_type"]), **clean)
+
+
+def model_spec(d: dict) -> ModelSpec:
+    """The ModelSpec of an HF config dict, with transformers' defaults for the fields it leaves out: the same spec
+    a served model's ModelConfig holds, so a plan and a serve of one config read one description."""
+    return ModelSpec.from_config(d, _transformers_config(d).to_dict())

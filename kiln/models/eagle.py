@@ -33,11 +33,11 @@ LEGACY_NAMES = {"midlayer": "layers.0", "aux_norm_low": "fc_norm.0", "aux_norm_m
                 "aux_norm_high": "fc_norm.2"}  # fmt: skip
 
 
-def eagle3_capture_layers(draft_config: dict, target_layers: int) -> tuple[int, ...]:
-    """The target layers whose incoming hidden state EAGLE-3 reads: the draft config's
-    `eagle_config.eagle_aux_hidden_state_layer_ids` (each + 1: SGLang captures the output of layer i as the
-    input of layer i + 1), else SGLang's low, middle and high default."""
-    ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+def eagle3_capture_layers(aux_layers: tuple[int, ...] | None, target_layers: int) -> tuple[int, ...]:
+    """The target layers whose incoming hidden state EAGLE-3 reads: the head's taps (ModelSpec.aux_hidden_layers,
+    each + 1: SGLang captures the output of layer i as the input of layer i + 1), else SGLang's low, middle and
+    high default."""
+    ids = aux_layers
     if ids:
         return tuple(int(i) + 1 for i in ids)
     return (2, target_layers // 2, target_layers - 3)

@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             (pieces.pad(fb.input_ids), pieces.pad(fb.positions)) if pieces else (fb.input_ids, fb.positions)
         )
         h = self.model.embed_tokens(ids)
-        cos_sin = self.rotary.cos_sin_for(pos, h.dtype)
+        cos_sin = self.rotary.cos_sin_for(pos, h.dtype, fb)
         capture, rows = self.capture_hidden, fb.input_ids.shape[0]
         taken: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):

@@ -13,7 +13,6 @@ whose state was restored into its slot) continues from the slot's state.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
@@ -41,7 +40,7 @@ from kiln.layers.moe import (
     load_expert_weights,
     num_routed_experts,
 )
-from kiln.layers.rotary import RotaryEmbedding, check_rope_type
+from kiln.layers.rotary import RotaryEmbedding, check_rope_type, rotary_config, rotary_dim
 from kiln.models.config import LinearAttentionSpec, ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.qwen3_moe import moe_spec
@@ -150,24 +149,6 @@ class GatedAttention(nn.Module):
         )
         out = attn.forward(self.kv_layer, qk[:, :h], qk[:, h:], v.view(t, hk, d), fb, self.scale)
         return self.o_proj(out * torch.sigmoid(gate))
-
-
-def rotary_dim(hf: Any, head_dim: int) -> int:
-    params = getattr(hf, "rope_parameters", None) or {}
-    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
-    return int(head_dim * factor)
-
-
-def rotary_config(hf: Any, head_dim: int) -> Any:
-    """The config RotaryEmbedding builds its table from: for the default rope, one whose head_dim is the rotary
-    dim (the default table spans the whole head dim); scaled ropes apply partial_rotary_factor themselves."""
-    params = getattr(hf, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default":
-        return hf
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    return SimpleNamespace(
-        rope_parameters={"rope_type": "default", "rope_theta": theta}, head_dim=rotary_dim(hf, head_dim)
-    )
 
 
 # ---------------------------------------------------------------------------------------------- linear attention

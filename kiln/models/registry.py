@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from kiln.models import deepseek_v3, llama, qwen3_moe, qwen3_next
+from kiln.models import deepseek_v3, llama, mixtral, phi3, qwen3_moe, qwen3_next
 from kiln.models.config import ModelConfig
 
 MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": deepseek_v3.DeepseekV3ForCausalLM,  # Kimi-K2's config names it too
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.MistralForCausalLM,
+    "MixtralForCausalLM": mixtral.MixtralForCausalLM,
+    "Phi3ForCausalLM": phi3.Phi3ForCausalLM,
     "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
     "Qwen3ForCausalLM": llama.Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": qwen3_moe.Qwen3MoeForCausalLM,
@@ -39,8 +41,9 @@ def check_model_config(cfg: ModelConfig, context_length: int) -> None:
 
 def attention_window(cfg: ModelConfig) -> int | None:
     """The sliding window transformers applies to some layer of this model, or None: the config's sliding_window
-    where the architecture honours it (Mistral's every layer; Qwen2's and Qwen3's layers that layer_types marks
-    sliding; Qwen3-MoE's with use_sliding_window, which its config resolves into sliding_window)."""
+    where the architecture honours it (Mistral's, Mixtral's and Phi-3's every layer; Qwen2's and Qwen3's layers
+    that layer_types marks sliding; Qwen3-MoE's with use_sliding_window, which its config resolves into
+    sliding_window)."""
     window = getattr(cfg.hf_config, "sliding_window", None)
     types = getattr(cfg.hf_config, "layer_types", None)
     if not window or not getattr(model_class(cfg.architecture), "windowed", False):

@@ -1,5 +1,6 @@
-"""Model-shape arithmetic from an HF config dict alone: KV dimensions (MHA/GQA/MLA), parameter and weight bytes per
-rank, peak prefill activations. Used by the memory ledger."""
+"""Model-shape arithmetic from an HF config dict alone (config.json or GGUF metadata, no torch): layer kinds, KV
+dimensions (MHA/GQA/MLA), parameter and weight bytes per rank, peak prefill activations, and which tensor-parallel
+sizes split the model. kiln.models.spec.ModelSpec is its one reader: everything outside kiln/models asks the spec."""
 
 from __future__ import annotations
 
@@ -7,8 +8,52 @@ import math
 from dataclasses import dataclass
 
 from kiln.core.dtypes import dtype_bytes
-from kiln.core.layer_kinds import LINEAR_ATTENTION, layer_types, required, text_config
+from kiln.core.layer_kinds import LINEAR_ATTENTION
 from kiln.core.sharding import kv_heads_per_rank
+
+# families whose attention applies the config's sliding_window on every layer when it is set (the others mark
+# their windowed layers in layer_types)
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "phi3")
+
+
+def text_config(hf_config: dict) -> dict:
+    """The language-model part of a config (multimodal configs nest it under text_config)."""
+    if "num_hidden_layers" not in hf_config and isinstance(hf_config.get("text_config"), dict):
+        return hf_config["text_config"]
+    return hf_config
+
+
+# what a decoder LLM's config.json must say itself: no default stands in for its size
+SIZING_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def required(cfg: dict, key: str) -> int:
+    """An integer the arithmetic cannot do without; a ValueError that names it when the config lacks it."""
+    if cfg.get(key) is None:
+        raise ValueError(f"model config has no {key!r}; is this a decoder LLM config.json?")
+    return int(cfg[key])
+
+
+def layer_types(cfg: dict) -> list[str]:
+    """Each layer's kind: the config's `layer_types`, or Qwen3-Next's pattern of a full-attention layer every
+    `full_attention_interval`-th (transformers' default 4, which its config.json leaves out), else all attention."""
+    types = cfg.get("layer_types")
+    layers = required(cfg, "num_hidden_layers")
+    if isinstance(types, list) and types:
+        return [str(t) for t in types]
+    if cfg.get("model_type") == "qwen3_next" or cfg.get("full_attention_interval"):
+        interval = int(cfg.get("full_attention_interval") or 4)
+        return ["full_attention" if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+    if cfg.get("sliding_window") and cfg.get("model_type") in _WINDOW_ON_EVERY_LAYER:
+        return ["sliding_attention"] * layers
+    return ["full_attention"] * layers
+
+
+def has_linear_attention(cfg: dict) -> bool:
+    """A hybrid model (Qwen3-Next): some layers keep a per-request state instead of KV."""
+    cfg = text_config(cfg)
+    return cfg.get("num_hidden_layers") is not None and LINEAR_ATTENTION in layer_types(cfg)
+
 
 _NON_KV_LAYER_TYPES = {LINEAR_ATTENTION, "mamba", "mamba2", "conv", "recurrent"}
 
@@ -121,7 +166,9 @@ def kv_bytes_per_token(hf_config: dict, tp_size: int, element_bytes: int) -> int
     return (k + v) * kv_layers(cfg) * element_bytes
 
 
-def _moe_layer(cfg: dict, i: int) -> bool:
+def is_sparse_layer(cfg: dict, i: int) -> bool:
+    """Whether layer i's MLP is a sparse MoE (DeepSeek's first dense layers and frequency, Qwen-MoE's sparse step
+    and MLP-only layers, Mixtral's every layer)."""
     if cfg.get("n_routed_experts"):  # DeepSeek-V2/V3
         return (
             i >= int(cfg.get("first_k_dense_replace") or 0) and i % int(cfg.get("moe_layer_freq") or 1) == 0
@@ -188,7 +235,7 @@ def _attn_norm_params(cfg: dict) -> int:
 def _mlp_params(cfg: dict, i: int, tp: int) -> tuple[float, float]:
     """(linear params sharded by TP, replicated small params) of layer i's MLP."""
     h = required(cfg, "hidden_size")
-    if not _moe_layer(cfg, i):
+    if not is_sparse_layer(cfg, i):
         return 3 * h * required(cfg, "intermediate_size") / tp, 0.0
     n, inter, shared, _ = _experts(cfg)
     router = h * n + (h if cfg.get("shared_expert_intermediate_size") else 0)  # + shared-expert gate
@@ -207,7 +254,7 @@ def _router_extra_bytes(cfg: dict, element_bytes: int) -> int:
     method = cfg.get("topk_method") or ("noaux_tc" if float32_gate else "greedy")
     n, h = _experts(cfg)[0], required(cfg, "hidden_size")
     per_layer = (h * n * (4 - element_bytes) if float32_gate else 0) + (n * 4 if method == "noaux_tc" else 0)
-    return per_layer * sum(_moe_layer(cfg, i) for i in range(required(cfg, "num_hidden_layers")))
+    return per_layer * sum(is_sparse_layer(cfg, i) for i in range(required(cfg, "num_hidden_layers")))
 
 
 def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
@@ -218,8 +265,9 @@ def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
         required(cfg, "num_hidden_layers"),
         required(cfg, "vocab_size"),
     )
-    tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
-    other = vocab * h / tp_size * (1 if tied else 2) + h  # embedding (+ untied lm head) + final norm
+    other = (
+        vocab * h / tp_size * (1 if tied(hf_config) else 2) + h
+    )  # embedding (+ untied lm head) + final norm
     linear = 0.0
     kinds = layer_types(cfg)
     for i in range(layers):
@@ -233,10 +281,41 @@ def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
     return round(linear), round(other)
 
 
+def tied(hf_config: dict) -> bool:
+    """Whether the LM head is the embedding (the text config's say, else the whole config's)."""
+    return bool(
+        text_config(hf_config).get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
+    )
+
+
+def checkpoint_dtype(hf_config: dict) -> str | None:
+    """The dtype the checkpoint was saved in (the language model's first), or None when its config does not say."""
+    text = hf_config.get("text_config")
+    for config in (text if isinstance(text, dict) else {}, hf_config):
+        name = config.get("torch_dtype") or config.get("dtype")
+        if name:
+            return str(name).lower().removeprefix("torch.")
+    return None
+
+
+def half_dtype(hf_config: dict) -> str:
+    """The 16-bit type a float32 or unspecified checkpoint is served in on CUDA: bfloat16 for the Gemma family,
+    whose activations overflow float16, else float16 (SGLang's `_get_and_verify_dtype`)."""
+    text = text_config(hf_config)
+    model_type = str(text.get("model_type") or hf_config.get("model_type") or "")
+    return "bfloat16" if model_type.startswith("gemma") else "float16"
+
+
+def aux_hidden_layers(hf_config: dict) -> tuple[int, ...] | None:
+    """An EAGLE-3 head's `eagle_config.eagle_aux_hidden_state_layer_ids`, or None when it names none."""
+    ids = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(int(i) for i in ids) if ids else None
+
+
 def packed_lm_head_bytes(hf_config: dict, tp_size: int) -> int:
     """The CPU prepacked copy of a tied lm head (the embedding keeps the plain rows): vocab/tp x hidden x 4 B."""
     cfg = text_config(hf_config)
-    if not bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))):
+    if not tied(hf_config):
         return 0
     return math.ceil(required(cfg, "vocab_size") / tp_size) * required(cfg, "hidden_size") * 4
 
@@ -322,17 +401,15 @@ def gguf_block_bytes(hf_config: dict, tp_size: int, types: tuple[str, ...]) -> G
     kept = {t: found[t] for t in types if t in found}
     if not any(counts[0] for counts in kept.values()):
         return None
-    tied = bool(
-        text_config(hf_config).get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
-    )
+    head_tied = tied(hf_config)
     packed = {t: _PACKED_PER_RAW.get(t, (1, 1)) for t in kept}
     params = sum(int(counts[0]) for counts in kept.values())
     nbytes, head = (
         sum(int(counts[i]) * packed[t][0] // packed[t][1] for t, counts in kept.items()) for i in (1, 2)
     )
     return GgufBlocks(
-        *(math.ceil(v / tp_size) for v in (params, nbytes, head if tied else 0)),
-        types=tuple(t for t, counts in kept.items() if counts[0] or (tied and counts[2])),
+        *(math.ceil(v / tp_size) for v in (params, nbytes, head if head_tied else 0)),
+        types=tuple(t for t, counts in kept.items() if counts[0] or (head_tied and counts[2])),
     )
 
 
@@ -356,7 +433,7 @@ def int8_saved_bytes(hf_config: dict, tp_size: int, element_bytes: int, kept: tu
             q_rows, kv_rows = nh * hd / tp_size, 2 * kvr * hd
             params += (q_rows + kv_rows) * h + h * q_rows
             rows += q_rows + kv_rows + h
-        if not _moe_layer(cfg, i):
+        if not is_sparse_layer(cfg, i):
             inter = required(cfg, "intermediate_size") / tp_size
             params += 3 * h * inter
             rows += 2 * inter + h

@@ -30,6 +30,7 @@ def build_extend(reqs: list[Req], table: ReqToTokenPool) -> ForwardBatch:
         logits_index=torch.tensor(logits_rows, dtype=torch.int64),
         extend_lens=[r.extend_len for r in reqs],
         prefix_lens=[r.kv_len for r in reqs],
+        fill_lens=[r.seq_len for r in reqs],
         seq_slots=slots,
         state_slots=torch.tensor([r.table_idx for r in reqs], dtype=torch.int64),
     )

@@ -45,12 +45,15 @@ class KVManager:
 
     # ---- admission
     def match(self, req: Req) -> int:
-        """Length of the cached prefix usable by req (at least its last token is always computed)."""
+        """Length of the cached prefix usable by req (at least its last token is always computed), by a lookup that
+        changes nothing (PrefixCache.peek_prefix): sorting the queue and budgeting admission move no KV."""
         key = req.fill_ids[: req.seq_len - 1]
-        return int(self.cache.match_prefix(key).indices.numel()) if key else 0
+        return self.cache.peek_prefix(key) if key else 0
 
-    def admit(self, req: Req, extend_len: int) -> bool:
-        """Take a table row, lock the cached prefix and allocate slots for the next extend_len tokens."""
+    def admit(self, req: Req, limit: int | None = None) -> bool:
+        """Take a table row and the cached prefix (its match here is where a tier's KV comes back, the load the
+        admission plans), lock it, and allocate slots for the rest of the sequence: all of it when it is no longer
+        than `limit`, else a page-aligned piece of at most `limit` tokens (a chunk)."""
         if req.table_idx is None:
             idx = self.table.alloc()
             if idx is None:
@@ -64,7 +67,9 @@ class KVManager:
                 self.cache.lock(m.node)
                 req.node, req.cached_len, req.kv_len = m.node, n, n
             self.cache.restore_state(req.node, idx)  # hybrid models: the checkpoint the match ends at
-        if not self._alloc_extend(req, extend_len):
+        rest = req.seq_len - req.kv_len
+        extend_len = rest if limit is None or rest <= limit else limit // self.page_size * self.page_size
+        if extend_len <= 0 or not self._alloc_extend(req, extend_len):
             if req.kv_len == 0 or req.kv_len == req.cached_len:
                 self.release(req)
             return False

@@ -48,6 +48,8 @@ class PrefillAdder:
         b = self.budget
         if b.rem_reqs <= 0 or b.chunked is not None:
             return False
+        # the lookup changes nothing (KVManager.match); admission's own match may find less (a host node with no
+        # device room to come back to), so what it took is checked again below
         cached = req.kv_len if req.table_idx is not None else self.kv.match(req)
         ext = req.seq_len - cached
         expected = ext + min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
@@ -56,11 +58,14 @@ class PrefillAdder:
             return False
         if b.reqs and ext > b.rem_input:
             return False
-        if b.rem_chunk is not None and ext > b.rem_chunk:
-            ext = b.rem_chunk // self.page * self.page
-            if ext <= 0:
-                return False
-        if not self.kv.admit(req, ext):
+        if b.rem_chunk is not None and ext > b.rem_chunk and b.rem_chunk < self.page:
+            return False
+        fresh = req.table_idx is None
+        if not self.kv.admit(req, b.rem_chunk):
+            return False
+        ext = req.extend_len
+        if fresh and ext > req.seq_len - cached and b.reqs and ext > b.rem_input:
+            self.kv.release(req)  # the prefix it brought back stays cached for the next batch
             return False
         if not req.admitted:
             req.admitted, req.cached_tokens = True, req.cached_len

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -10,6 +11,18 @@ import torch
 
 from kiln.sampling_params import SamplingParams
 from kiln.structured.matcher import GrammarMatcher
+
+
+class ReqState(enum.Enum):
+    """Where a request is in its life (vLLM's RequestStatus): the scheduler moves it between states as it moves it
+    between its queues, and the integrity check holds each live request's state to the queue it is in."""
+
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its grammar compiling, in the grammar queue
+    WAITING = "waiting"  # in the waiting queue, never admitted
+    PREFILLING = "prefilling"  # admitted, its prompt being computed (a chunk a step when chunked)
+    RUNNING = "running"  # decoding
+    PREEMPTED = "preempted"  # retracted: its KV freed, back in the waiting queue
+    FINISHED = "finished"  # finish_reason says why
 
 
 class Req:
@@ -33,6 +46,7 @@ class Req:
         self.deadline = deadline
         self.log_metrics = log_metrics
         self.output_ids: list[int] = []
+        self.state = ReqState.WAITING
         # KV bookkeeping: slots of tokens [0, kv_len) are in the request's table row; the first cached_len of
         # them belong to the prefix cache (locked through `node`), the rest are the request's own.
         self.table_idx: int | None = None

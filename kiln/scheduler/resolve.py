@@ -12,23 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import kiln.core.sharding as sharding
 import kiln.distributed as distributed
 import kiln.memory.storage_tier as storage_tier
 from kiln import platform
 from kiln.config import ServerArgs
 from kiln.core import envs
 from kiln.core.devices import device_spec, same_device
-from kiln.core.dtypes import kv_cache_dtype_name, resolve_dtype_name
-from kiln.core.layer_kinds import has_linear_attention
+from kiln.core.dtypes import kv_cache_dtype_name
 from kiln.layers.fp8_linear import FIX as FP8_FIX
-from kiln.loader.model_config import read_hf_config, resolve_model_path
+from kiln.loader.model_config import load_model_config, read_model_spec
 from kiln.memory.ledger import compute_ledger, context_length_refusal
 from kiln.memory.ledger_format import format_refusal
 from kiln.memory.ledger_types import Ledger, LedgerInputs, storage_dir
-from kiln.memory.model_shapes import context_len_of, context_overrun, fp8_weight_block
 from kiln.models.config import ModelConfig
 from kiln.models.registry import check_model_config
+from kiln.models.spec import ModelSpec
 from kiln.platform import Platform
 from kiln.speculative.checks import draft_refusal
 from kiln.speculative.settings import SpecSettings, with_speculation
@@ -55,7 +53,6 @@ class Deployment:
 
     args: ServerArgs
     platform: Platform
-    hf_config: dict
     model_config: ModelConfig
     memory: MemoryPlan
     spec: SpecSettings | None
@@ -107,9 +104,12 @@ class Checked:
     """A configuration whose flags and model config Kiln runs (before any memory is probed)."""
 
     args: ServerArgs
-    hf_config: dict
     model_config: ModelConfig
     spec: SpecSettings | None
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.model_config.spec
 
 
 def check(args: ServerArgs, target: Platform, serving: bool = False) -> Checked:
@@ -124,20 +124,17 @@ def check(args: ServerArgs, target: Platform, serving: bool = False) -> Checked:
             f"--model-path {args.model_path} is a config.json, which `kiln plan` plans from; `kiln serve` loads "
             "weights: give the model's directory"
         )
-    try:
-        hf_config = read_hf_config(args.model_path)
+    try:  # the config, the architecture, or a config field the model would refuse when built
+        model_config = load_model_config(args.model_path)
+        model = model_config.spec
+        check_model_config(model_config, args.context_length or model.context_len)
     except (ValueError, KeyError, OSError) as e:
         raise StartupRefused(str(e)) from e
-    try:  # the architecture, or a config field the model would refuse when built
-        model_config = ModelConfig.from_hf_dict(resolve_model_path(args.model_path), hf_config)
-        check_model_config(model_config, args.context_length or context_len_of(hf_config))
-    except ValueError as e:
-        raise StartupRefused(str(e)) from e
     refusal = (
-        tp_refusal(args, hf_config, target)
-        or hybrid_refusal(args, hf_config)
-        or draft_refusal(args, hf_config)
-        or context_length_refusal(hf_config, args.context_length, envs.allow_longer_context_len())
+        tp_refusal(args, model, target)
+        or hybrid_refusal(args, model)
+        or draft_refusal(args, model)
+        or context_length_refusal(model, args.context_length, envs.allow_longer_context_len())
         or storage_refusal(args, keep=serving)
         or triton_refusal(args, target)
     )
@@ -145,14 +142,14 @@ def check(args: ServerArgs, target: Platform, serving: bool = False) -> Checked:
         raise StartupRefused(refusal)
     try:
         spec = resolve_speculative(args, model_config.architecture)
-        dtype = resolve_dtype_name(hf_config, target.device, args.dtype)
+        dtype = model.serving_dtype(target.device, args.dtype)
     except ValueError as e:
         raise StartupRefused(str(e)) from e
     kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype, dtype)
     refusal = attention_refusal(args, model_config, kv_dtype, target.capability)
     if refusal:
         raise StartupRefused(refusal)
-    return Checked(args, hf_config, model_config, spec)
+    return Checked(args, model_config, spec)
 
 
 def resolve(args: ServerArgs, target: Platform, serving: bool = False) -> Deployment:
@@ -160,22 +157,20 @@ def resolve(args: ServerArgs, target: Platform, serving: bool = False) -> Deploy
     The plan not fitting is not raised here (Deployment.check_fits): `kiln plan` prints that ledger."""
     checked = check(args, target, serving)
     try:
-        memory = plan_ledger(checked.args, checked.hf_config, target)
+        memory = plan_ledger(checked.args, checked.model, target)
     except ValueError as e:
         raise StartupRefused(str(e)) from e
-    overrun = context_overrun(checked.hf_config, checked.args.context_length)  # allowed by SGLang's switch
+    overrun = checked.model.context_overrun(checked.args.context_length)  # allowed by SGLang's switch
     warnings = (overrun,) if overrun else ()
-    return Deployment(
-        checked.args, target, checked.hf_config, checked.model_config, memory, checked.spec, warnings
-    )
+    return Deployment(checked.args, target, checked.model_config, memory, checked.spec, warnings)
 
 
 def plan_ledger(
-    args: ServerArgs, hf_config: dict | None = None, target: Platform | None = None
+    args: ServerArgs, model: ModelSpec | None = None, target: Platform | None = None
 ) -> MemoryPlan:
     """The memory plan for these arguments on `target` (default: this machine). Raises ValueError."""
-    config = hf_config if hf_config is not None else read_hf_config(args.model_path)
-    inputs = LedgerInputs.from_args(args, config, target)
+    model = model if model is not None else read_model_spec(args.model_path)
+    inputs = LedgerInputs.from_args(args, model, target)
     inputs = _agreed(with_speculation(inputs, args))
     return MemoryPlan(inputs, compute_ledger(inputs))
 
@@ -204,19 +199,19 @@ def storage_refusal(args: ServerArgs, keep: bool) -> str | None:
     return None if root is None else storage_tier.storage_dir_problem(root, keep)
 
 
-def tp_refusal(args: ServerArgs, hf_config: dict, target: Platform) -> str | None:
+def tp_refusal(args: ServerArgs, model: ModelSpec, target: Platform) -> str | None:
     """Why --tp-size cannot split this model (a dimension it does not divide, or an FP8 weight block it cuts
     where FP8 weights are kept), naming the sizes that can."""
-    if (args.tp_size > 1 or args.ep_size > 1) and has_linear_attention(hf_config):
+    if (args.tp_size > 1 or args.ep_size > 1) and model.has_linear_attention:
         return (
             f"--tp-size {args.tp_size} --ep-size {args.ep_size}: Kiln runs a hybrid linear-attention model on one "
             "rank (its conv and recurrent states are not sharded); serve it with --tp-size 1"
         )
-    block = fp8_weight_block(hf_config) if platform.fp8_weights_kept(target, args.load_format) else None
-    problems = sharding.tp_size_problems(hf_config, args.tp_size, args.ep_size, block)
+    block = model.fp8_block if platform.fp8_weights_kept(target, args.load_format) else None
+    problems = model.tp_problems(args.tp_size, args.ep_size, block)
     if not problems:
         return None
-    sizes = ", ".join(str(tp) for tp in sharding.valid_tp_sizes(hf_config, fp8_block=block))
+    sizes = ", ".join(str(tp) for tp in model.valid_tp_sizes(fp8_block=block))
     flags = f"--tp-size {args.tp_size}" + (f" --ep-size {args.ep_size}" if args.ep_size > 1 else "")
     fp8 = f"; {FP8_FIX}" if block else ""
     return (
@@ -225,10 +220,10 @@ def tp_refusal(args: ServerArgs, hf_config: dict, target: Platform) -> str | Non
     )
 
 
-def hybrid_refusal(args: ServerArgs, hf_config: dict) -> str | None:
+def hybrid_refusal(args: ServerArgs, model: ModelSpec) -> str | None:
     """What a hybrid linear-attention model cannot be served with yet: its per-request states are not in the host
     tier, and a verify step would advance them past rejected draft tokens."""
-    if not has_linear_attention(hf_config):
+    if not model.has_linear_attention:
         return None
     if args.enable_hierarchical_cache:
         return (

@@ -32,7 +32,7 @@ from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.overlap import ForwardThread, InFlight, OverlapSchedule
 from kiln.scheduler.prefill import PrefillAdder
-from kiln.scheduler.req import Req
+from kiln.scheduler.req import Req, ReqState
 from kiln.scheduler.spec_step import SpecDecoder
 from kiln.scheduler.validate import Limits, validate_request
 from kiln.structured.backend import make_backend
@@ -172,6 +172,7 @@ class Scheduler(OverlapSchedule):
         self.reqs[req.rid] = req
         if spec is not None and self.grammars is not None:
             req.grammar = self.grammars.submit(spec)
+            req.state = ReqState.WAITING_FOR_GRAMMAR
             self.grammar_queue.append(req)
         else:
             self.waiting.append(req)
@@ -195,6 +196,7 @@ class Scheduler(OverlapSchedule):
                 self._finish_abort(req, str(error), error=str(error))
                 continue
             req.matcher = future.result() if future is not None else None
+            req.state = ReqState.WAITING
             self.waiting.append(req)
 
     def abort(self, msg: AbortReq) -> None:
@@ -303,6 +305,8 @@ class Scheduler(OverlapSchedule):
             self.waiting.popleft()
         self.waiting.extendleft(reversed(deferred))
         self.chunked = adder.budget.chunked
+        for req in adder.budget.reqs:
+            req.state = ReqState.PREFILLING
         return adder.budget.reqs
 
     def _shares_uncached_prefix(self, req: Req, batch: list[Req]) -> bool:
@@ -346,7 +350,9 @@ class Scheduler(OverlapSchedule):
         for r, _ in sampled:  # publish the prompt's KV now, so requests arriving meanwhile share it
             self.kv.cache_unfinished(r)
         if sampled:
-            self.running.extend(r for r, _ in sampled)
+            for r, _ in sampled:
+                r.state = ReqState.RUNNING
+                self.running.append(r)
             self.sample_and_commit([r for r, _ in sampled], logits[[i for _, i in sampled]])
         if self.spec is not None:
             self._prefilled_for_drafter(reqs, starts)
@@ -426,6 +432,7 @@ class Scheduler(OverlapSchedule):
             victim.num_retractions += 1
             retracted.append(victim)
         for r in reversed(retracted):
+            r.state = ReqState.PREEMPTED
             self.waiting.appendleft(r)
         if retracted:
             self.counters.retracted += len(retracted)
@@ -514,6 +521,7 @@ class Scheduler(OverlapSchedule):
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
+        req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
         if self.spec is not None:
             self.spec.release(req.rid)
@@ -636,10 +644,28 @@ class Scheduler(OverlapSchedule):
     def check_integrity(self) -> dict:
         self.drain()
         report = self.kv.integrity(self.live_reqs())
+        misplaced = self.misplaced_states()
+        if misplaced:
+            report = {**report, "ok": False, "misplaced_states": misplaced}
         if not report["ok"]:
             self.integrity_violations += 1
             logger.error(f"KV pool integrity violated: {report}")
         return report
+
+    def misplaced_states(self) -> list[str]:
+        """Each live request whose state is not the one of the queue it is in ("rid: state in queue")."""
+        queues = [
+            ("grammar queue", self.grammar_queue, {ReqState.WAITING_FOR_GRAMMAR}),
+            ("waiting", self.waiting, {ReqState.WAITING, ReqState.PREEMPTED}),
+            ("running", self.running, {ReqState.RUNNING}),
+            ("chunked", [self.chunked] if self.chunked is not None else [], {ReqState.PREFILLING}),
+        ]
+        return [
+            f"{r.rid}: {r.state.value} in {name}"
+            for name, reqs, allowed in queues
+            for r in reqs
+            if r.state not in allowed
+        ]
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running or self.chunked or self.grammar_queue:

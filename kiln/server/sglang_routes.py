@@ -15,7 +15,8 @@ from jinja2 import TemplateError
 from pydantic import Field
 
 from kiln.config import ServerArgs
-from kiln.loader.model_config import read_hf_config
+from kiln.loader.model_config import read_model_spec
+from kiln.models.spec import ModelSpec
 from kiln.sampling_params import InvalidParam, SamplingParams
 from kiln.scheduler.io import EngineState
 from kiln.server.engine_client import EngineClient
@@ -151,16 +152,16 @@ async def _one_token(client: EngineClient) -> bool:
 
 
 @lru_cache(maxsize=4)
-def _hf_config(model_path: str) -> dict:
+def _model(model_path: str) -> ModelSpec | None:
     try:
-        return read_hf_config(model_path)
+        return read_model_spec(model_path)
     except (ValueError, OSError):
-        return {}
+        return None
 
 
 def model_info(args: ServerArgs, served_model_name: str) -> dict:
     """SGLang's /model_info fields, with Kiln's values."""
-    config = _hf_config(args.model_path) if args.model_path else {}
+    model = _model(args.model_path) if args.model_path else None
     return {
         "model_path": args.model_path,
         "served_model_name": served_model_name,
@@ -174,8 +175,8 @@ def model_info(args: ServerArgs, served_model_name: str) -> dict:
         "disaggregation_mode": "null",
         "has_image_understanding": False,
         "has_audio_understanding": False,
-        "model_type": config.get("model_type"),
-        "architectures": config.get("architectures"),
+        "model_type": model.model_type if model else None,
+        "architectures": [model.architecture] if model else None,
     }
 
 

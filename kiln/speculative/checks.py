@@ -5,30 +5,26 @@ vocabulary is not the target's. (A draft tokenizer that differs at the same size
 from __future__ import annotations
 
 from kiln.config import ServerArgs
-from kiln.core.layer_kinds import text_config
-from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_hf_config
+from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_model_spec
+from kiln.models.spec import ModelSpec
 from kiln.speculative.draft_model import check_same_vocab_size
 from kiln.speculative.eagle import check_head_vocabulary, head_class
 from kiln.speculative.nextn import check_has_mtp
 
 
-def draft_refusal(args: ServerArgs, hf_config: dict) -> str | None:
+def draft_refusal(args: ServerArgs, target: ModelSpec) -> str | None:
     """Why serve would refuse this --speculative-algorithm with this target (and draft), or None."""
     algorithm, path = args.speculative_algorithm, args.speculative_draft_model_path
-    target = text_config(hf_config)
     try:
         if algorithm == "NEXTN":
-            architecture = (hf_config.get("architectures") or ["?"])[0]
-            check_has_mtp(args.model_path, architecture, target.get("num_nextn_predict_layers"))
+            check_has_mtp(args.model_path, target.architecture or "?", target.nextn_layers)
         elif algorithm in ("STANDALONE", "EAGLE", "EAGLE3") and path:
-            draft, vocab = read_hf_config(path, flag=DRAFT_MODEL_FLAG), int(target.get("vocab_size") or 0)
+            draft = read_model_spec(path, flag=DRAFT_MODEL_FLAG)
             if algorithm == "STANDALONE":
-                check_same_vocab_size(
-                    args.model_path, vocab, path, int(text_config(draft).get("vocab_size") or 0)
-                )
+                check_same_vocab_size(args.model_path, target.vocab_size, path, draft.vocab_size)
             else:
-                head_class(draft)
-                check_head_vocabulary(draft, vocab, path, args.model_path)
+                head_class(draft.architecture)
+                check_head_vocabulary(draft.vocab_size, target.vocab_size, path, args.model_path)
     except ValueError as e:
         return str(e)
     return None

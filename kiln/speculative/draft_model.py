@@ -24,7 +24,6 @@ import torch
 
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.loader.model_config import DRAFT_MODEL_FLAG
-from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput, DraftTree
 
@@ -499,10 +498,10 @@ def build_standalone_drafter(
 ) -> StandaloneDrafter:
     """The draft model at `path` loaded in the target's dtypes on its own KV pool and request table (`sizes`),
     drafting chains (topk 1) or trees; DraftRefused when its vocabulary or tokenizer is not the target's."""
-    from kiln.loader.model_config import read_hf_config
+    from kiln.loader.model_config import load_model_config
     from kiln.text.tokenizer import load_tokenizer
 
-    cfg = ModelConfig.from_hf_dict(path, read_hf_config(path, flag=DRAFT_MODEL_FLAG))
+    cfg = load_model_config(path, flag=DRAFT_MODEL_FLAG)
     target_cfg = target.model_config
     check_same_vocabulary(
         (target_cfg.model_path, target_cfg.vocab_size, target_tokenizer),

@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.loader.model_config import DRAFT_MODEL_FLAG, read_hf_config
+from kiln.loader.model_config import DRAFT_MODEL_FLAG, load_model_config
 from kiln.loader.weights import build_materialized, iter_safetensors, load_checked
 from kiln.models.config import ModelConfig
 from kiln.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3, eagle3_capture_layers
+from kiln.models.spec import ModelSpec
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.speculative.base import DraftInput
 from kiln.speculative.draft_model import ChainDrafter, DraftRefused, _Sequence
@@ -96,12 +97,11 @@ class EagleDrafter(TargetSlotKV, ChainDrafter):
         return convert(ids) if convert is not None else ids
 
 
-def read_draft_config(path: str) -> dict:
-    return read_hf_config(path, flag=DRAFT_MODEL_FLAG)
+def read_head_config(path: str) -> ModelConfig:
+    return load_model_config(path, flag=DRAFT_MODEL_FLAG)
 
 
-def head_class(config: dict) -> type[nn.Module]:
-    arch = (config.get("architectures") or [""])[0]
+def head_class(arch: str) -> type[nn.Module]:
     if arch not in HEADS:
         raise DraftRefused(
             f"draft model architecture {arch!r} is not an EAGLE head Kiln reads ({sorted(HEADS)})"
@@ -112,10 +112,8 @@ def head_class(config: dict) -> type[nn.Module]:
 def load_head(path: str, target: nn.Module, dtype: torch.dtype, device: str, max_positions: int) -> nn.Module:
     """The head at `path` (config.json + safetensors in SGLang's layouts), sharing the target's embedding (and
     head, for EAGLE or a checkpoint without its own)."""
-    config = read_draft_config(path)
-    cls = head_class(config)
-    cfg = ModelConfig.from_hf_dict(path, config)
-    head = build_materialized(cls, cfg, dtype, device)
+    cfg = read_head_config(path)
+    head = build_materialized(head_class(cfg.architecture), cfg, dtype, device)
     try:  # the target's checks: a whole tensor or one part of a merged one (q, k or v) left unfilled
         load_checked(head, iter_safetensors(path), path, set())
     except ValueError as e:
@@ -125,14 +123,14 @@ def load_head(path: str, target: nn.Module, dtype: torch.dtype, device: str, max
     return head.eval()
 
 
-def attach_target(target: nn.Module, draft_config: dict, target_path: str) -> None:
+def attach_target(target: nn.Module, head: ModelSpec, target_path: str) -> None:
     """Set the target to keep the hidden states the head reads; DraftRefused when it cannot."""
     if not hasattr(target, "capture_hidden"):
         raise DraftRefused(f"target {target_path} ({type(target).__name__}) cannot hand out hidden states")
-    if head_class(draft_config) is LlamaForCausalLMEagle:
+    if head_class(head.architecture) is LlamaForCausalLMEagle:
         target.capture_hidden = "last"
         return
-    layers = eagle3_capture_layers(draft_config, len(target.model.layers))
+    layers = eagle3_capture_layers(head.aux_hidden_layers, len(target.model.layers))
     if len(set(layers)) != len(layers) or not all(0 <= i < len(target.model.layers) for i in layers):
         raise DraftRefused(
             f"EAGLE-3 reads the hidden states entering layers {list(layers)} of the target {target_path}, which "
@@ -141,9 +139,8 @@ def attach_target(target: nn.Module, draft_config: dict, target_path: str) -> No
     target.capture_hidden = tuple(layers)
 
 
-def check_head_vocabulary(draft_config: dict, target_vocab: int, draft_path: str, target_path: str) -> None:
+def check_head_vocabulary(size: int, target_vocab: int, draft_path: str, target_path: str) -> None:
     """An EAGLE head's embedding is the target's: its config must name the target's vocabulary size."""
-    size = int(draft_config.get("vocab_size", target_vocab))
     if size != target_vocab:
         raise DraftRefused(
             f"draft model {draft_path} has a vocabulary of {size} tokens, the target {target_path} {target_vocab}:"
@@ -161,13 +158,12 @@ def build_eagle_drafter(
 ) -> EagleDrafter:
     """The head at `path` on its own KV pool and request table (`sizes`), the target set to hand out the hidden
     states it reads, drafting chains (topk 1) or trees. DraftRefused when the head does not fit the target."""
-    config = read_draft_config(path)
+    head_cfg = read_head_config(path)
     target_cfg = target.model_config
-    check_head_vocabulary(config, target_cfg.vocab_size, path, target_cfg.model_path)
-    attach_target(target.model, config, target_cfg.model_path)
+    check_head_vocabulary(head_cfg.vocab_size, target_cfg.vocab_size, path, target_cfg.model_path)
+    attach_target(target.model, head_cfg.spec, target_cfg.model_path)
     max_positions = max(sizes.context_len, target_cfg.max_position_embeddings) + 8
     head = load_head(path, target.model, target.dtype, target.device, max_positions)
-    head_cfg = ModelConfig.from_hf_dict(path, config)
     runner = ModelRunner(head_cfg, target.dtype, target.kv_dtype, target.device, target.attention_backend)
     runner.model = head
     shared = {id(p) for p in target.model.parameters()}

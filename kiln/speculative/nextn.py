@@ -125,9 +125,7 @@ def build_nextn_drafter(
     """The target's MTP layer as a head on a latent KV pool of its own; DraftRefused when the target has none."""
     cfg, model = target.model_config, target.model
     mtp = getattr(model, "mtp_weights", None)
-    check_has_mtp(
-        cfg.model_path, cfg.architecture, getattr(cfg.hf_config, "num_nextn_predict_layers", 0) and mtp
-    )
+    check_has_mtp(cfg.model_path, cfg.architecture, cfg.spec.nextn_layers and mtp)
     head = build_materialized(NextnHead, cfg, target.dtype, target.device)
     weights = ((n, t.to(target.device)) for n, t in head_weights(mtp, cfg.num_layers))
     try:  # the target's checks: a whole tensor or one part of a merged one (gate or up) left unfilled

@@ -119,15 +119,14 @@ def resolve(args: ServerArgs, architecture: str) -> SpecSettings | None:
 def with_speculation(inputs: LedgerInputs, args: ServerArgs) -> LedgerInputs:
     """The ledger's inputs with speculative decoding's graph shapes (the target's verify rows, the draft's decode
     steps), from the settings serve resolves; unchanged without speculation. Raises ValueError as resolve does."""
-    architecture = (inputs.hf_config.get("architectures") or [""])[0]
-    settings = resolve(args, architecture)
+    settings = resolve(args, inputs.model.architecture)
     if settings is None:
         return inputs
     draft_rows = 0 if settings.algorithm == "NGRAM" else settings.topk  # NGRAM has no model to capture
     # a draft model's catch-up extends run on prefill pieces; a head's layers do not split into them, its
     # catch-ups run as decode rows (num_steps + 1 a request)
-    draft = inputs.draft_hf_config if settings.algorithm == "STANDALONE" else None
-    layers = int(draft.get("num_hidden_layers", 0)) if draft else 0
+    draft = inputs.draft if settings.algorithm == "STANDALONE" else None
+    layers = draft.num_layers if draft else 0
     head = settings.algorithm in ("EAGLE", "EAGLE3", "NEXTN")
     return replace(
         inputs,
