@@ -117,7 +117,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     # ---- the flags of a common launch line, each with its own sentence
     *_group(
         "Kiln runs no code from the model repository: it serves the architectures it implements (Llama, "
-        "Mistral, Mixtral, Phi-3, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, DeepSeek-V3 / Kimi-K2)",
+        "Mistral, Mixtral, Phi-3, Gemma 2, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, DeepSeek-V3 / Kimi-K2)",
         switches="--trust-remote-code",
     ),
     *_group(

@@ -108,6 +108,8 @@ def test_weight_bytes_match_transformers_parameter_counts():
         tf.Qwen3Config(**small, head_dim=32, attention_bias=True),
         tf.MistralConfig(**small, attention_bias=True),  # transformers' Mistral has no biases whatever it says
         tf.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2),
+        tf.Gemma2Config(**small, head_dim=32),  # four norms a layer
+        tf.Gemma3TextConfig(**small, head_dim=32, tie_word_embeddings=False),  # and q/k norms
         tf.Qwen3MoeConfig(**small, num_experts=4, moe_intermediate_size=32, mlp_only_layers=[0]),
         tf.DeepseekV3Config(**small, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
                             v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,

@@ -34,7 +34,17 @@ def config_keys() -> set[str]:
     """Every key transformers' configs of the registered families hold, defaults included."""
     from transformers import AutoConfig
 
-    types = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "deepseek_v3"}
+    types = {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_next",
+        "deepseek_v3",
+        "gemma2",
+        "gemma3_text",
+    }
     types |= {name.removesuffix("ForCausalLM").lower() for name in MODELS} & {"mixtral", "phi3"}
     keys: set[str] = set()
     for model_type in types:

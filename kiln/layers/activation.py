@@ -1,4 +1,5 @@
-"""SiLU-and-multiply over a merged gate_up projection: the only MLP activation Kiln implements."""
+"""The gated MLP activations over a merged gate_up projection: SiLU (Llama's and most families') and GELU with the
+tanh approximation (Gemma's gelu_pytorch_tanh)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_pytorch_tanh(gate) * up, as transformers' GELUTanh computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -30,11 +30,23 @@ def check_choice(field: str, value: Any, accepted: tuple[str, ...]) -> None:
         )
 
 
-def check_rope_type(hf_config: Any, accepted: tuple[str, ...] = ROPE_TYPES) -> None:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
+    """The config's rope parameters, or those of one layer type where a model keys them by layer type (Gemma 3:
+    rope_local_base_freq for its sliding layers, rope_theta and its rope_scaling for the full ones)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        return params.get(layer_type) or {}
+    return params
+
+
+def check_rope_type(
+    hf_config: Any, accepted: tuple[str, ...] = ROPE_TYPES, layer_type: str | None = None
+) -> None:
     """Refuses a rope type whose table is not static (`accepted`: a model's own, where it builds another table);
     called when a model is built, before weights load."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    check_choice("rope_type (rope_parameters / rope_scaling)", params.get("rope_type", "default"), accepted)
+    params = rope_parameters(hf_config, layer_type)
+    field = "rope_type (rope_parameters / rope_scaling)" + (f" of {layer_type}" if layer_type else "")
+    check_choice(field, params.get("rope_type", "default"), accepted)
 
 
 def rotary_dim(hf: Any, head_dim: int) -> int:
@@ -56,10 +68,10 @@ def rotary_config(hf: Any, head_dim: int) -> Any:
     )
 
 
-def _inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+def _inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = getattr(hf_config, "rope_parameters", None) or {}
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         head_dim = (
@@ -68,6 +80,8 @@ def _inv_freq(hf_config) -> tuple[torch.Tensor, float]:
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         return inv, 1.0
+    if layer_type is not None:
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", layer_type=layer_type)
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
 
 
@@ -82,9 +96,10 @@ def _table(inv_freq: torch.Tensor, scaling: float, positions: int) -> torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, hf_config, max_positions: int):
+    def __init__(self, hf_config, max_positions: int, layer_type: str | None = None):
+        """layer_type: the layers whose rope parameters it turns by, where the config keys them by layer type."""
         super().__init__()
-        inv_freq, scaling = _inv_freq(hf_config)
+        inv_freq, scaling = _inv_freq(hf_config, layer_type)
         self.register_buffer("cos_sin", _table(inv_freq, scaling, max_positions), persistent=False)
         self.half = inv_freq.shape[0]
 

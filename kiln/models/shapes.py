@@ -207,7 +207,7 @@ def _attn_params(cfg: dict, tp: int) -> float:
     bias = bool(cfg.get("attention_bias")) and cfg.get("model_type") != "mistral"
     if bias or qwen2:
         params += nh * hd / tp + 2 * kvr * hd + (h if bias and not qwen2 else 0)
-    if str(cfg.get("model_type", "")).startswith("qwen3"):
+    if str(cfg.get("model_type", "")).startswith(("qwen3", "gemma3")):
         params += 2 * hd  # q_norm, k_norm
     if cfg.get("model_type") == "qwen3_next":
         params += h * nh * hd / tp  # q_proj also projects the output gate
@@ -230,6 +230,11 @@ def _attn_norm_params(cfg: dict) -> int:
     if not is_mla(cfg):
         return 0
     return int(cfg.get("q_lora_rank") or 0) + int(cfg["kv_lora_rank"])
+
+
+def _layer_norms(cfg: dict) -> int:
+    """Hidden-size norms per decoder layer: before attention and before the MLP, and Gemma 2 / 3's after each."""
+    return 4 if str(cfg.get("model_type", "")).startswith(("gemma2", "gemma3")) else 2
 
 
 def _mlp_params(cfg: dict, i: int, tp: int) -> tuple[float, float]:
@@ -277,7 +282,7 @@ def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
         else:
             mixer, mixer_rest = _attn_params(cfg, tp_size), _attn_norm_params(cfg)
         linear += mixer + mlp
-        other += 2 * h + small + mixer_rest
+        other += _layer_norms(cfg) * h + small + mixer_rest
     return round(linear), round(other)
 
 

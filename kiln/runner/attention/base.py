@@ -14,6 +14,7 @@ import torch
 
 from kiln.core.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
 from kiln.memory.kv_pool import KVPool
+from kiln.runner.attention import windowed
 
 
 class AttentionBackend(ABC):
@@ -40,20 +41,49 @@ class AttentionBackend(ABC):
         return AttentionMetadata(shared_prefix=shared_prefix)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens, written to the pool first. Returns [T, Hq * D]."""
+        """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens, written to the pool first. Returns [T, Hq * D].
+        The layer's own attention: `window`, a sliding window (each query sees its last `window` keys, itself
+        included); `softcap`, scores capped as cap x tanh(scores / cap) before the mask and the softmax. A layer
+        with either runs through kiln.runner.attention.windowed, the others through the backend's own paths."""
         meta = fb.attn
         if meta is None:
             raise ValueError(
                 "the batch has no attention metadata: prepare_metadata builds it before the model runs"
             )
         self.write_kv(layer, fb.out_cache_loc, k, v)
-        if fb.mode == ForwardMode.DECODE:
+        if window is not None or softcap is not None:
+            if fb.mode == ForwardMode.DECODE:
+                out = self.decode_windowed(layer, q, fb, scale, window, softcap)
+            else:
+                out = windowed.extend(self.kv_pool, layer, q, k, v, fb, scale, window, softcap)
+        elif fb.mode == ForwardMode.DECODE:
             out = self.decode(layer, q, fb, meta, scale)
         else:
             out = self.extend(layer, q, k, v, fb, meta, scale)
         return out.reshape(q.shape[0], -1)
+
+    def decode_windowed(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """A decode over a sliding window or with softcapped scores: [B, Hq, D] -> [B, Hq, D], in torch ops (a
+        backend whose kernel runs some of these overrides it)."""
+        return windowed.decode(self.kv_pool, layer, q, fb, scale, window, softcap)
 
     def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new tokens' K and V into the pool's rows `slots`."""

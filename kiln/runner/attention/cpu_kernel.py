@@ -1,7 +1,8 @@
 """Attention through Kiln's CPU float32 decode kernel (kiln.layers.cpu_gemm.cpu_decode_attention), which reads
 each request's slots straight from the KV pool, no gathers, and a prefix the batch shares once per chunk of
 requests; a bfloat16, float16 or fp8 pool is read at its own width, converted in registers. Decode runs on it
-entirely; extends run short extends on cached prefixes on it as decode rows and the rest through torch SDPA."""
+entirely, a sliding window's too (as its mask); extends run short extends on cached prefixes on it as decode rows
+and the rest through torch SDPA. Softcapped layers and windowed extends run through kiln.runner.attention.windowed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from kiln.core.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode, ShortExtends
 from kiln.layers.cpu_gemm import cpu_decode_attention
+from kiln.runner.attention import windowed
 from kiln.runner.attention.torch_sdpa import TorchSdpaBackend
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)  # the CPU decode kernel's "every slot is valid"
@@ -38,6 +40,25 @@ class CpuKernelBackend(TorchSdpaBackend):
         mask = fb.kv_mask if fb.kv_mask is not None else _NO_MASK
         k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
         return cpu_decode_attention()(q, k, v, fb.kv_table, mask, scale, meta.shared_prefix)
+
+    def decode_windowed(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """A window is the kernel's mask narrowed to each row's last `window` slots (no prefix is then shared by
+        every row); softcapped scores the kernel does not compute."""
+        if softcap is not None:
+            return super().decode_windowed(layer, q, fb, scale, window, softcap)
+        k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        # the compiled op takes the shared width as a tensor (an input of the step elsewhere)
+        none_shared = torch.zeros(1, dtype=torch.int64) if torch.compiler.is_compiling() else 0
+        mask = windowed.decode_mask(fb, window)
+        return cpu_decode_attention()(q, k, v, fb.kv_table, mask, scale, none_shared)
 
     def _run_short_extends(
         self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor

@@ -52,7 +52,15 @@ class MlaBackend(AttentionBackend):
         return AttentionMetadata()
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         raise TypeError("latent attention has no K and V of its own: the layer calls forward_latent")
 

@@ -1,7 +1,8 @@
 """Attention over the paged KV pool with Kiln's Triton kernels (kiln.layers.triton_attention): decode split-K over
 each request's KV table, extend over each request's cached prefix and its own new tokens, all requests of a step in
 one launch. `--attention-backend triton`; on CUDA the kernels compile for the GPU, elsewhere they run in Triton's
-interpreter (TRITON_INTERPRET=1), which is how the CPU tests check them."""
+interpreter (TRITON_INTERPRET=1), which is how the CPU tests check them. The kernels have no sliding window and no
+softcap: layers with either attend through kiln.runner.attention.windowed (AttentionBackend.forward)."""
 
 from __future__ import annotations
 
