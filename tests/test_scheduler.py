@@ -24,6 +24,7 @@ from kiln.sampling_params import SamplingParams
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput
 from kiln.scheduler.req import ReqState
 from kiln.scheduler.scheduler import Scheduler
+from kiln.scheduler.step import StepKind
 
 pytestmark = pytest.mark.unit
 
@@ -356,6 +357,54 @@ def test_the_integrity_check_names_a_request_in_the_wrong_state() -> None:
     s.reqs[rid].state = ReqState.RUNNING  # still in the waiting queue
     report = s.check_integrity()
     assert not report["ok"] and report["misplaced_states"] == [f"{rid}: running in waiting"]
+
+
+# ---------------------------------------------------------------- a step as data
+
+
+def test_a_step_is_a_plan_its_result_and_one_update() -> None:
+    """schedule() decides a plan of plain data (requests, tokens each computes, each one's start, the requests whose
+    row samples), execute() runs it and changes no request, update() commits it."""
+    s = make(chunk=64)
+    a, b = add(s, prompt(100, 1), max_new=2), add(s, prompt(10, 2), max_new=2)
+    ra, rb = s.reqs[a], s.reqs[b]
+    first = s.schedule()
+    assert (first.kind, first.reqs, first.new_tokens, first.starts, first.sampled) == (
+        StepKind.PREFILL, (ra,), (64,), (0,), ()
+    )  # fmt: skip
+    s.update(first, s.execute(first))
+    second = s.schedule()
+    assert (second.reqs, second.new_tokens, second.starts, second.sampled) == (
+        (ra, rb),
+        (36, 10),
+        (64, 0),
+        (0, 1),
+    )
+    result = s.execute(second)
+    assert result.sampled.next_token_ids == [expected(prompt(100, 1), 1)[0], expected(prompt(10, 2), 1)[0]]
+    assert ra.output_ids == rb.output_ids == [] and ra.state == rb.state == ReqState.PREFILLING
+    s.update(second, result)
+    assert len(ra.output_ids) == len(rb.output_ids) == 1 and s.running == [ra, rb]
+    decode = s.schedule()
+    assert (decode.kind, decode.new_tokens, decode.starts) == (StepKind.DECODE, (1, 1), (100, 10))
+    s.update(decode, s.execute(decode))
+    assert not s.has_work and check(s)["in_use"] == 0
+
+
+class FailingRunner(FakeRunner):
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        raise RuntimeError("the device fell over")
+
+
+def test_a_failed_forward_is_the_results_error_and_update_fails_its_requests() -> None:
+    s = make(runner_cls=FailingRunner)
+    rid = add(s, prompt(10, 1))
+    plan = s.schedule()
+    result = s.execute(plan)
+    assert isinstance(result.error, RuntimeError) and s.reqs[rid].output_ids == []
+    s.update(plan, result)
+    (out,) = s.take_outputs()
+    assert out.finished and "the device fell over" in out.error and check(s)["in_use"] == 0
 
 
 # ---------------------------------------------------------------- retraction

@@ -34,7 +34,7 @@ from kiln.scheduler.req import Req
 
 
 @dataclass
-class StepResult:
+class Launched:
     """What a launched step gives back: its sampling, launched (the chosen ids on the device, the host's copy under
     way), and whether it replayed a captured graph (the runner's flag by then may be the next step's)."""
 
@@ -47,14 +47,14 @@ class InFlight:
     """A launched decode step: its requests (row order) and its result, when it comes."""
 
     reqs: list[Req]
-    result: Future[StepResult]
+    result: Future[Launched]
 
 
 class ForwardThread:
     """One thread that launches decode steps in launch order: forward, then sampling. On a GPU it waits for
     neither: a step reads the ids the step before chose where they are, on the device."""
 
-    def __init__(self, step: Callable[[ForwardBatch, list[SamplingRow]], StepResult]):
+    def __init__(self, step: Callable[[ForwardBatch, list[SamplingRow]], Launched]):
         self.step = step  # forward + sample: the scheduler's runner and sampler
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-forward")
 
@@ -75,7 +75,7 @@ class ForwardThread:
         rows: list[SamplingRow],
         after: InFlight | None,
         source: list[int | None] | None,
-    ) -> StepResult:
+    ) -> Launched:
         if after is not None:
             # raises where that step failed: this one fails with it
             ids = after.result.result().sampled.ids
@@ -121,10 +121,10 @@ class OverlapSchedule:
     forward_thread: ForwardThread | None
     in_flight: InFlight | None
 
-    def _forward_and_sample(self, fb, rows: list[SamplingRow]) -> StepResult:
+    def _forward_and_sample(self, fb, rows: list[SamplingRow]) -> Launched:
         """A launched step, on the forward thread."""
         logits = self.runner.forward(fb)
-        return StepResult(PendingSample(logits, rows), self.runner.last_forward_graph)
+        return Launched(PendingSample(logits, rows), self.runner.last_forward_graph)
 
     def _chains(self) -> bool:
         """Whether this step is plain decode the forward thread can run one step ahead (the module says when)."""
@@ -150,7 +150,7 @@ class OverlapSchedule:
         slots = self.kv.alloc_decode(reqs) if reqs else None
         if reqs and slots is None:  # no room after all: the step in flight is processed, then the plain path
             self.drain()
-            self._run_decode()
+            self.run_plan(self.schedule_decode())
             return
         launched = None
         if reqs:

@@ -8,7 +8,6 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from dataclasses import asdict
@@ -22,11 +21,8 @@ from kiln.memory.prefix_cache import NoPrefixCache, PrefixCache
 from kiln.memory.radix_cache import RadixCache
 from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.memory.storage_tier import FileStorageTier
-from kiln.runner.device_sampler import sample_step
 from kiln.runner.model_runner import ModelRunner
-from kiln.runner.sampler import SampleOutput, SamplingRow
 from kiln.sampling_params import InvalidParam
-from kiln.scheduler.batch import build_decode, build_extend
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput, RequestCounters, SchedulerStats
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
@@ -34,10 +30,11 @@ from kiln.scheduler.overlap import ForwardThread, InFlight, OverlapSchedule
 from kiln.scheduler.prefill import PrefillAdder
 from kiln.scheduler.req import Req, ReqState
 from kiln.scheduler.spec_step import SpecDecoder
+from kiln.scheduler.step import StepKind
+from kiln.scheduler.step_cycle import StepCycle
 from kiln.scheduler.validate import Limits, validate_request
 from kiln.structured.backend import make_backend
 from kiln.structured.cache import GrammarCache
-from kiln.structured.masks import BatchMasks, batch_masks, blocked_finish
 from kiln.structured.spec import spec_of
 from kiln.text.detokenizer import IncrementalDetokenizer
 
@@ -72,7 +69,7 @@ def make_prefix_cache(
     return RadixCache(runner.allocator, page_size)
 
 
-class Scheduler(OverlapSchedule):
+class Scheduler(StepCycle, OverlapSchedule):
     def __init__(
         self,
         runner: ModelRunner,
@@ -245,15 +242,9 @@ class Scheduler(OverlapSchedule):
             self._overlap_decode()
             return self.take_outputs()
         self.drain()
-        batch = None
-        if not (self.last_was_prefill and self.running):
-            batch = self._build_prefill()
-        if batch:
-            self._run_extend(batch)
-            self.last_was_prefill = True
-        elif self.running:
-            self._run_decode()
-            self.last_was_prefill = False
+        plan = self.schedule()
+        self.last_was_prefill = plan is not None and plan.kind == StepKind.PREFILL
+        self.run_plan(plan)
         return self.take_outputs()
 
     def take_outputs(self) -> list[ReqOutput]:
@@ -325,62 +316,6 @@ class Scheduler(OverlapSchedule):
             for o in batch
         )
 
-    def _run_extend(self, reqs: list[Req]) -> None:
-        fb = build_extend(reqs, self.kv.table)
-        cached = sum(r.kv_len for r in reqs)
-        try:
-            logits = self.runner.forward(fb)
-        except Exception as e:  # one bad batch fails its requests, never the loop
-            self.fail_batch(reqs, e)
-            return
-        done, rows, starts = [], [], [r.kv_len for r in reqs]
-        for i, r in enumerate(reqs):
-            r.kv_len += r.extend_len
-            if r.prefill_done:
-                done.append(r)
-                rows.append(i)
-            else:
-                self.kv.cache_unfinished(r)
-        self._log_prefill(reqs, int(fb.input_ids.numel()), cached)
-        prefill_only = [r for r in done if r.params.max_new_tokens == 0]
-        for r in prefill_only:
-            r.finish_reason = {"type": "length", "length": 0}
-            self._finish(r)
-        sampled = [(r, i) for r, i in zip(done, rows) if r.params.max_new_tokens > 0]
-        for r, _ in sampled:  # publish the prompt's KV now, so requests arriving meanwhile share it
-            self.kv.cache_unfinished(r)
-        if sampled:
-            for r, _ in sampled:
-                r.state = ReqState.RUNNING
-                self.running.append(r)
-            self.sample_and_commit([r for r, _ in sampled], logits[[i for _, i in sampled]])
-        if self.spec is not None:
-            self._prefilled_for_drafter(reqs, starts)
-
-    def _prefilled_for_drafter(self, reqs: list[Req], starts: list[int]) -> None:
-        """A drafter reading the target's hidden states (EAGLE) hears each prefilled chunk: its rows' hidden
-        states and the tokens they predicted (the sequence's next tokens, the sampled one last)."""
-        hidden, row = getattr(self.runner, "last_hidden", None), 0
-        if hidden is None:
-            return
-        for r, start in zip(reqs, starts):
-            count = r.kv_len - start
-            if not r.finished:
-                tokens = r.fill_ids[start + 1 : r.kv_len + 1]
-                self.spec.drafter.accepted(r.rid, tokens, hidden[row : row + count])
-            row += count
-
-    def _run_decode(self) -> None:
-        if not self.kv.decode_fits(len(self.running)):
-            self._retract()
-        if not self.running:
-            return
-        produced = self.spec.run(self) if self.spec is not None else None
-        if produced is None:
-            produced = self._decode_one_token()
-        if produced:
-            self._decoded(produced, self.runner.last_forward_graph)
-
     def _decoded(self, produced: int, graphed: bool) -> None:
         """A decode step's bookkeeping: the step count, the new-token ratio's decay, the decode log line (graphed:
         whether the step replayed a captured graph)."""
@@ -390,27 +325,6 @@ class Scheduler(OverlapSchedule):
             self.new_token_ratio - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
         )
         self._log_decode(produced, graphed)
-
-    def _decode_one_token(self) -> int:
-        """A plain decode step: one token for every running request; the number of requests it ran (0 when
-        nothing ran)."""
-        reqs = list(self.running)
-        slots = self.kv.alloc_decode(reqs)
-        if slots is None:
-            return 0
-        fb = build_decode(reqs, self.kv.table, slots)
-        try:
-            logits = self.runner.forward(fb)
-        except Exception as e:
-            self.fail_batch(reqs, e)
-            return 0
-        for r in reqs:
-            r.kv_len += 1
-        self.kv.track_states(reqs)  # hybrid models: state checkpoints every --mamba-track-interval tokens
-        self.sample_and_commit(reqs, logits)
-        if self.spec is not None:
-            self.spec.after_plain_decode(reqs, getattr(self.runner, "last_hidden", None))
-        return len(reqs)
 
     def _retract(self) -> None:
         """Free the KV of the requests with the least progress until one more decode step fits."""
@@ -449,103 +363,6 @@ class Scheduler(OverlapSchedule):
             self._finish_abort(
                 last, "Out of memory even after retracting all other requests in the decode batch."
             )
-
-    def sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        banned = [self.out.banned_ids(r) for r in reqs]
-        masks = batch_masks([r.matcher for r in reqs], banned, logits.shape[-1])
-        if masks.blocked:  # every rank computes the same masks, so every rank ends the same rows here
-            for i in masks.blocked:
-                self._end_blocked(reqs[i])
-            blocked = set(masks.blocked)
-            keep = [i for i in range(len(reqs)) if i not in blocked]
-            reqs, banned, logits = [reqs[i] for i in keep], [banned[i] for i in keep], logits[keep]
-            masks = BatchMasks([masks.masks[i] for i in keep], [])
-            if not reqs:
-                return
-        rows = [
-            SamplingRow(r.params, r.generator, r.input_ids, r.output_ids, banned[i], masks.masks[i])
-            for i, r in enumerate(reqs)
-        ]
-        self._take_tokens(reqs, sample_step(logits, rows))
-
-    def _take_tokens(self, reqs: list[Req], result: SampleOutput) -> None:
-        """Each request's sampled token committed (plain decode, a prefill's first token, the overlap schedule's
-        steps, a verify step's rows without drafts)."""
-        next_ids = distributed.broadcast_token_ids(result.next_token_ids)  # rank 0's tokens on every rank
-        for i, r in enumerate(reqs):
-            self.commit(r, [next_ids[i]], [result.logprobs[i]], [result.top_logprobs[i]])
-
-    def commit(
-        self,
-        req: Req,
-        tokens: list[int],
-        logprobs: list,
-        top_logprobs: list,
-        place_kv: Callable[[int], None] | None = None,
-    ) -> int:
-        """The one place a step's tokens join a request, whatever produced them (a sampled row, a verified draft
-        path): each appended with its logprobs, the grammar advanced and the stops checked, until the request
-        ends; then `place_kv(kept)` puts the kept tokens' KV where decoding expects it (a verify step's accepted
-        path), and the request either ends (its KV cached, its output sent) or streams. Returns the tokens kept."""
-        kept = 0
-        for token, logprob, top in zip(tokens, logprobs, top_logprobs):
-            self.out.append_token(req, token, logprob, top)
-            self.out.follow_grammar(req, token)
-            self.counters.generation_tokens += req.log_metrics
-            kept += 1
-            if req.finished:
-                break
-        if place_kv is not None:
-            place_kv(kept)
-        if req.finished:
-            self.running.remove(req)
-            self._finish(req)
-        elif self.out.should_stream(req):
-            self.outbox.append(self.out.flush_output(req))
-        return kept
-
-    def _end_blocked(self, req: Req) -> None:
-        """A constrained request whose grammar allows no token now ends before sampling (see blocked_finish)."""
-        assert req.matcher is not None
-        req.finish_reason = blocked_finish(req.matcher)
-        req.pending_text += req.detok.flush(self.out.stops_live(req))
-        self.running.remove(req)
-        if req.finish_reason["type"] == "abort":
-            self.counters.aborted += 1
-        self._finish(req)
-
-    def _finish(self, req: Req) -> None:
-        if self.in_flight is None or all(r is not req for r in self.in_flight.reqs):
-            self.kv.cache_finished(req)
-        # else the step in flight still writes its extra row: its KV is cached when that step is in (_take_step)
-        self._emit(req)
-
-    def _emit(self, req: Req) -> None:
-        req.state = ReqState.FINISHED
-        self.reqs.pop(req.rid, None)
-        if self.spec is not None:
-            self.spec.release(req.rid)
-        # both at the end, as SGLang counts them: a hit rate over a window reads them together
-        if req.log_metrics:
-            self.counters.prompt_tokens += len(req.input_ids)
-            self.counters.cached_tokens += req.cached_tokens
-        self.outbox.append(self.out.flush_output(req))
-
-    def fail_all(self, error: str) -> None:
-        self._abandon_in_flight()
-        for r in list(self.reqs.values()):
-            self._finish_abort(r, "internal error", error=error)
-
-    def fail_request(self, rid: str, input_len: int, error: str) -> None:
-        """A request that failed before it was queued (its message could not be handled): answered with the
-        error and counted as failed, like one that failed inside a step."""
-        self.counters.failed += 1
-        self.outbox.append(self.out.error_output(rid, input_len, error))
-
-    def fail_batch(self, reqs: list[Req], exc: Exception) -> None:
-        logger.exception(f"forward failed for {len(reqs)} request(s): {exc!r}")
-        for r in reqs:
-            self._finish_abort(r, "internal error", error=f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ introspection
     def _log_prefill(self, reqs: list[Req], new_tokens: int, cached: int) -> None:

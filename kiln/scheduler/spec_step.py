@@ -22,11 +22,12 @@ import kiln.distributed as distributed
 from kiln.core.forward_batch import ForwardBatch, ForwardMode
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.runner.model_runner import ModelRunner
-from kiln.runner.sampler import SamplingRow
+from kiln.runner.sampler import SampleOutput, SamplingRow
 from kiln.scheduler.io import ReqOutput
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
 from kiln.scheduler.req import Req
+from kiln.scheduler.step import StepKind, StepPlan, StepResult
 from kiln.speculative.base import Drafter, DraftInput, DraftTree
 from kiln.speculative.verify import Chain, Tree, Verdict, verify_batch
 
@@ -41,7 +42,11 @@ class Scheduler(Protocol):
     out: OutputProcessor
     running: list[Req]
 
-    def sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None: ...
+    def sample(
+        self, reqs: list[Req], logits: torch.Tensor
+    ) -> tuple[SampleOutput | None, tuple[int, ...]]: ...
+
+    def commit_sampled(self, reqs: list[Req], result: StepResult) -> None: ...
 
     def commit(
         self,
@@ -174,9 +179,10 @@ class SpecDecoder:
         return trees
 
     # ------------------------------------------------------------------ the step
-    def run(self, sched: Scheduler) -> int | None:
-        """One speculative decode step over sched.running: the tokens it produced (0 when the forward failed
-        and its requests were failed); None when no request has drafts, and the caller decodes plainly."""
+    def plan(self, sched: Scheduler) -> StepPlan | None:
+        """A verify step over sched.running: each request's last token and its drafts, their slots allocated (the
+        request's from here: a failure releases them); the rows without drafts sample as plain decoding does.
+        None when no request has drafts, and the scheduler plans a plain decode."""
         reqs = list(sched.running)
         trees = self._drafts(sched, reqs)
         if not any(len(t) for t in trees):
@@ -184,31 +190,43 @@ class SpecDecoder:
         counts = [len(t) + 1 for t in trees]
         if not sched.kv.alloc_verify(reqs, counts):
             return None
-        fb = build_verify(reqs, trees, sched.kv.table)
-        bases = [r.kv_len for r in reqs]
-        for r, count in zip(reqs, counts):  # the new slots are the request's own: a failure releases them
+        batch = build_verify(reqs, trees, sched.kv.table)
+        starts = tuple(r.kv_len for r in reqs)
+        for r, count in zip(reqs, counts):
             r.kv_len += count
-        try:
-            logits = sched.runner.forward(fb)
-        except Exception as e:
-            sched.fail_batch(reqs, e)
-            return 0
-        hidden = getattr(sched.runner, "last_hidden", None)
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        plain = [i for i, t in enumerate(trees) if not len(t)]
-        drafted = [i for i, t in enumerate(trees) if len(t)]
+        plain = tuple(i for i, t in enumerate(trees) if not len(t))
+        return StepPlan(StepKind.VERIFY, tuple(reqs), tuple(counts), starts, batch, plain, tuple(trees))
+
+    def verify(
+        self,
+        sched: Scheduler,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        graphed: bool,
+    ) -> StepResult:
+        """An executed verify step's result: the verdict on each request's drafts, and the rows without drafts
+        sampled as plain decoding samples them."""
+        rows = plan.rows
+        drafted = [i for i, t in enumerate(plan.drafts) if len(t)]
         verdicts = self._verdicts(
-            sched, [reqs[i] for i in drafted], [trees[i] for i in drafted], logits, starts, drafted
+            sched, [plan.reqs[i] for i in drafted], [plan.drafts[i] for i in drafted], logits, rows, drafted
         )
-        produced = 0
-        for i, verdict in zip(drafted, verdicts):
+        plain = list(plan.sampled)
+        sampled, blocked = sched.sample([plan.reqs[i] for i in plain], logits[[rows[i] for i in plain]])
+        return StepResult(sampled, blocked, tuple(verdicts), hidden, graphed)
+
+    def update(self, sched: Scheduler, plan: StepPlan, result: StepResult) -> int:
+        """Commits a verify step: each verdict's tokens (their KV onto the accepted path, the rejected drafts'
+        slots freed) and the plain rows' tokens; returns the tokens it produced."""
+        rows, produced = plan.rows, 0
+        drafted = [i for i, t in enumerate(plan.drafts) if len(t)]
+        for i, verdict in zip(drafted, result.verdicts):
+            span = (plan.starts[i], plan.starts[i] + plan.new_tokens[i])
             produced += self._apply(
-                sched, reqs[i], verdict, trees[i], (bases[i], bases[i] + counts[i]), (hidden, starts[i])
+                sched, plan.reqs[i], verdict, plan.drafts[i], span, (result.hidden, rows[i])
             )
-        produced += self._plain_rows(
-            sched, [reqs[i] for i in plain], logits, [starts[i] for i in plain], hidden
-        )
-        return produced
+        return produced + self._plain_rows(sched, plan, result, rows)
 
     def _verdicts(
         self,
@@ -261,23 +279,17 @@ class SpecDecoder:
 
         return sched.commit(r, verdict.tokens, verdict.logprobs, verdict.top_logprobs, place)
 
-    def _plain_rows(
-        self,
-        sched: Scheduler,
-        reqs: list[Req],
-        logits: torch.Tensor,
-        starts: list[int],
-        hidden: torch.Tensor | None,
-    ) -> int:
-        """Requests without drafts in a verify step: their one row is sampled as plain decoding samples it."""
+    def _plain_rows(self, sched: Scheduler, plan: StepPlan, result: StepResult, rows: list[int]) -> int:
+        """Requests without drafts in a verify step: their one row's sampled token committed."""
+        reqs = [plan.reqs[i] for i in plan.sampled]
         if not reqs:
             return 0
         before = {r.rid: len(r.output_ids) for r in reqs}
-        sched.sample_and_commit(reqs, logits[starts])
-        for r, start in zip(reqs, starts):
+        sched.commit_sampled(reqs, result)
+        for r, i in zip(reqs, plan.sampled):
             self._count(r.rid, 0)
             if not r.finished and len(r.output_ids) > before[r.rid]:
-                self.drafter.accepted(r.rid, r.output_ids[-1:], _rows(hidden, start, 1))
+                self.drafter.accepted(r.rid, r.output_ids[-1:], _rows(result.hidden, rows[i], 1))
         return len(reqs)
 
     def after_plain_decode(self, reqs: list[Req], hidden: torch.Tensor | None) -> None:

@@ -1,0 +1,60 @@
+"""A step as data (vLLM v1's SchedulerOutput and ModelRunnerOutput). `Scheduler.schedule` decides a StepPlan: which
+requests run, the tokens each computes, their KV slots already allocated (and a cache tier's rows already brought
+back, by admission's prefix match); `Scheduler.execute` runs it and gives a StepResult (tokens sampled, drafts
+verified, or the error the forward raised), changing no request; `Scheduler.update` commits it, through
+`Scheduler.commit`, the one place tokens join requests. The overlap schedule launches the same decode plans a step
+ahead and commits them through the same function."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from kiln.core.forward_batch import ForwardBatch
+from kiln.runner.sampler import SampleOutput
+from kiln.scheduler.req import Req
+from kiln.speculative.base import DraftTree
+from kiln.speculative.verify import Verdict
+
+
+class StepKind(Enum):
+    PREFILL = "prefill"  # prompts, or chunks of them, on top of their cached prefixes
+    DECODE = "decode"  # one token per running request
+    VERIFY = "verify"  # speculative decoding: each running request's last token and its drafts
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step, decided: its requests in row order, the tokens whose KV each writes (already allocated: a
+    request's kv_len counts them from here, so a failure releases them with it), each one's kv_len before the
+    step, the forward batch, the requests whose row gives a sampled token (a prompt's last chunk that asks for
+    tokens, every decode row, a verify step's rows without drafts), and a verify step's draft trees."""
+
+    kind: StepKind
+    reqs: tuple[Req, ...]
+    new_tokens: tuple[int, ...]
+    starts: tuple[int, ...]
+    batch: ForwardBatch
+    sampled: tuple[int, ...]
+    drafts: tuple[DraftTree, ...] = ()
+
+    @property
+    def rows(self) -> list[int]:
+        """Each request's first row in the forward's logits of a verify step (every row gives logits there)."""
+        return [sum(self.new_tokens[:i]) for i in range(len(self.reqs))]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A plan executed: the tokens of its `sampled` requests, less those `blocked` (indices into `sampled`: a
+    grammar that allows no token ends them unsampled); a verify step's verdicts, one per request with drafts; the
+    hidden states drafters read; whether a captured graph ran. Or the error the forward raised, and nothing else."""
+
+    sampled: SampleOutput | None = None
+    blocked: tuple[int, ...] = ()
+    verdicts: tuple[Verdict, ...] = ()
+    hidden: torch.Tensor | None = None
+    graphed: bool = False
+    error: Exception | None = None
