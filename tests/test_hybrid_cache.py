@@ -131,6 +131,25 @@ def _cpu_ledger(**kw):
 
 
 @pytest.mark.unit
+def test_a_hybrid_plans_no_graphs_where_it_runs_eagerly() -> None:
+    """The model declares it runs eagerly (ModelSpec.eager_only): a CUDA plan reserves nothing for graphs the
+    graph runner will not capture, where a model with graphs reserves for its decode and prefill shapes."""
+    gib = 80 * GIB
+    common = dict(device="cuda", dtype="bfloat16", device_memory_bytes=gib, available_memory_bytes=gib)
+    hybrid = compute_ledger(
+        LedgerInputs(model=model_spec(hybrid_config(max_position_embeddings=8192)), **common)
+    )
+    assert model_spec(hybrid_config()).eager_only and hybrid.fits
+    assert hybrid.graph_batch_sizes == () == hybrid.graph_prefill_tokens and hybrid.graph_reserve_bytes == 0
+    dense = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 1000, "intermediate_size": 128, "max_position_embeddings": 8192}  # fmt: skip
+    planned = compute_ledger(LedgerInputs(model=model_spec(dense), **common))
+    assert (
+        model_spec(dense).eager_only is None and planned.graph_batch_sizes and planned.graph_reserve_bytes > 0
+    )
+
+
+@pytest.mark.unit
 def test_running_requests_clamped_with_one_line() -> None:
     fits = _cpu_ledger(max_running_requests=16, context_length=8192)
     assert fits.fits and not fits.running_clamp and fits.max_running_requests == 16

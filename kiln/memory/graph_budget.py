@@ -55,8 +55,8 @@ def cuda_defaults(device_memory_bytes: int, tp: int) -> tuple[int, int]:
 
 def graph_batch_sizes(inputs: LedgerInputs, max_bs: int, running_requests: int) -> tuple[int, ...]:
     """The decode batch sizes startup captures: --cuda-graph-bs or SGLang's list up to max_bs, capped at the
-    running-request limit (which is appended when it cuts the list short)."""
-    if inputs.disable_cuda_graph:
+    running-request limit (which is appended when it cuts the list short); none for a model that runs eagerly."""
+    if inputs.disable_cuda_graph or inputs.model.eager_only:
         return ()
     sizes = sorted(set(inputs.cuda_graph_bs)) if inputs.cuda_graph_bs else decode_graph_batch_sizes(max_bs)
     capped = [b for b in sizes if b <= running_requests]
@@ -68,7 +68,7 @@ def graph_batch_sizes(inputs: LedgerInputs, max_bs: int, running_requests: int) 
 def graph_prefill_tokens(inputs: LedgerInputs, chunk: int) -> tuple[int, ...]:
     """The prefill token counts startup captures: --cuda-graph-bs-prefill, or SGLang's buckets up to
     --cuda-graph-max-bs-prefill (default: the chunk size on CUDA; none on the CPU, see CPU_PREFILL_GRAPH_MAX_TOKENS)."""
-    if inputs.disable_cuda_graph or inputs.disable_prefill_graph:
+    if inputs.disable_cuda_graph or inputs.disable_prefill_graph or inputs.model.eager_only:
         return ()
     if inputs.cuda_graph_bs_prefill:
         return tuple(sorted(set(inputs.cuda_graph_bs_prefill)))

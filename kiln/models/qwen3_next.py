@@ -44,6 +44,7 @@ from kiln.layers.rotary import RotaryEmbedding, check_rope_type, rotary_config, 
 from kiln.models.config import LinearAttentionSpec, ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.qwen3_moe import moe_spec
+from kiln.models.spec import EAGER_LINEAR
 
 
 class StatePool(Protocol):
@@ -286,9 +287,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3NextDecoderLayer
     stacked_params = STACKED_PARAMS
-    # read by the graph runner: the linear layers update the state pool in place, per request, which the
-    # captured decode and prefill steps do not carry; the model runs eagerly
-    eager_only = "the linear-attention layers' state updates are not captured"
+    eager_only = EAGER_LINEAR  # read by the graph runner, as the ledger reads ModelSpec.eager_only
 
     check_config = staticmethod(check_config)
 

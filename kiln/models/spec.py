@@ -17,6 +17,9 @@ from kiln.models.shapes import GgufBlocks, LinearState
 __all__ = ["FULL", "LATENT", "SLIDING", "GgufBlocks", "LayerSpec", "LinearState", "ModelSpec"]
 
 FULL, SLIDING, LATENT = "full_attention", "sliding_attention", "latent_attention"
+# why a model with linear-attention layers runs eagerly: they update the state pool in place, per request, which a
+# captured decode or prefill step does not carry
+EAGER_LINEAR = "the linear-attention layers' state updates are not captured"
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,12 @@ class ModelSpec:
     @property
     def has_linear_attention(self) -> bool:
         return self.linear_layers > 0
+
+    @property
+    def eager_only(self) -> str | None:
+        """Why none of its steps can be captured as a graph (the ledger then reserves none, the graph runner
+        captures none); None when they can."""
+        return EAGER_LINEAR if self.has_linear_attention else None
 
     # --- KV and state -----------------------------------------------------------------------------------------
     def kv_dims(self, tp: int) -> tuple[int, int, str]:
