@@ -237,8 +237,8 @@ def test_same_prefix_computed_twice_keeps_one_copy(ps: int) -> None:
     assert s.kv.cache.total_size() == aligned(41, ps)
 
 
-@pytest.mark.parametrize("ps", [1, 4])
-def test_admission_evicts_least_recently_used(ps: int) -> None:
+def three_cached(ps: int) -> tuple[Sim, list[list[int]]]:
+    """A 64-token pool whose cache holds three 16-token sequences, the first the least recently used."""
     s = Sim(pool=64, ps=ps)
     seqs = [[k * 100 + i for i in range(16)] for k in range(3)]
     for seq in seqs:
@@ -246,6 +246,12 @@ def test_admission_evicts_least_recently_used(ps: int) -> None:
         s.prefill(r)
         s.finish(r)
     assert s.kv.cache.total_size() == aligned(16, ps) * 3
+    return s, seqs
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_admission_evicts_least_recently_used(ps: int) -> None:
+    s, seqs = three_cached(ps)
     assert s.kv.match(s.new(seqs[0] + [5])) == aligned(16, ps)  # a lookup: it refreshes nothing
     touch = s.new(seqs[0] + [5])  # admitting a request refreshes sequence 0
     s.prefill(touch)
@@ -260,12 +266,7 @@ def test_admission_evicts_least_recently_used(ps: int) -> None:
 def test_a_lookup_neither_refreshes_nor_splits(ps: int) -> None:
     """Sorting the queue looks prefixes up (KVManager.match): the oldest entry stays the first evicted, and a
     lookup that ends inside a node leaves it whole."""
-    s = Sim(pool=64, ps=ps)
-    seqs = [[k * 100 + i for i in range(16)] for k in range(3)]
-    for seq in seqs:
-        r = s.new(seq)
-        s.prefill(r)
-        s.finish(r)
+    s, seqs = three_cached(ps)
     nodes = len(list(s.kv.cache._iter_nodes()))
     assert s.kv.match(s.new(seqs[0] + [5])) == aligned(16, ps)
     assert s.kv.match(s.new(seqs[0][:8] + [1] * 8)) == 8 and len(list(s.kv.cache._iter_nodes())) == nodes
