@@ -211,7 +211,7 @@ def test_allocator_and_radix_cache_on_cuda(ps: int) -> None:
     assert cache.insert(key, seq) == 0
     aligned = len(key) // ps * ps
     a.free(seq[aligned:])
-    m = cache.match_prefix(key)
+    m = cache.acquire_prefix(key)
     assert m.indices.device.type == "cuda" and m.indices.tolist() == seq[:aligned].tolist()
     a.free(torch.cat([second, dec[1:]]))
     cache.debug_check()

@@ -56,7 +56,7 @@ class Harness:
 
     def compute(self, key: list[int]) -> torch.Tensor | None:
         """A request's prefill: match, allocate the rest, write its KV, insert; returns the slots or None."""
-        match = self.cache.match_prefix(key)
+        match = self.cache.acquire_prefix(key)
         self.check_rows(key, match.indices)
         self.cache.lock(match.node)
         cached = match.indices.numel()
@@ -104,12 +104,12 @@ def test_an_evicted_prefix_comes_back_from_the_host_with_its_kv(policy: str) -> 
     key = list(range(100, 116))
     h.compute(key)
     if policy == "write_through_selective":  # backed up on its second hit only
-        h.cache.match_prefix(key)
-        h.cache.match_prefix(key)
+        h.cache.acquire_prefix(key)
+        h.cache.acquire_prefix(key)
     assert h.cache.evict(16) == 16
     assert h.cache.total_size() == 0 and h.cache.host_cached_tokens() == 16
     h.check_accounting()
-    match = h.cache.match_prefix(key)
+    match = h.cache.acquire_prefix(key)
     assert match.indices.numel() == 16 and h.cache.host_hit_tokens == 16
     h.check_rows(key, match.indices)
     h.check_accounting()
@@ -123,7 +123,7 @@ def test_a_prefix_whose_copy_to_the_host_is_still_in_flight_comes_back_with_its_
     h.compute(key)
     h.compute(list(range(40, 52)))  # evicts `key` to the host: its copy is in flight
     assert h.cache.host_integrity()["in_flight"] == 12 and not copies[0].released
-    match = h.cache.match_prefix(key)  # loads it back: the copy lands first
+    match = h.cache.acquire_prefix(key)  # loads it back: the copy lands first
     assert match.indices.numel() == 12 and copies[0].released
     h.check_rows(key, match.indices)
     h.check_accounting()
@@ -148,7 +148,7 @@ def test_without_a_host_copy_selective_eviction_drops_the_prefix() -> None:
     key = list(range(16))
     h.compute(key)
     h.cache.evict(16)
-    assert h.cache.match_prefix(key).indices.numel() == 0 and h.cache.host_hit_tokens == 0
+    assert h.cache.acquire_prefix(key).indices.numel() == 0 and h.cache.host_hit_tokens == 0
     h.check_accounting()
 
 
@@ -160,8 +160,8 @@ def test_a_full_host_tier_keeps_the_most_recent_prefixes() -> None:
     h.compute(new)  # evicts `old` to the host
     h.cache.evict(16)  # `new` to the host: the host drops `old`, the least recently used
     h.check_accounting()
-    assert h.cache.match_prefix(old).indices.numel() == 0
-    match = h.cache.match_prefix(new)
+    assert h.cache.acquire_prefix(old).indices.numel() == 0
+    match = h.cache.acquire_prefix(new)
     assert match.indices.numel() == 12
     h.check_rows(new, match.indices)
 
@@ -171,7 +171,7 @@ def test_a_locked_prefix_never_leaves_the_device() -> None:
     h = Harness("write_back", device_tokens=16)
     key = list(range(12))
     h.compute(key)
-    match = h.cache.match_prefix(key)
+    match = h.cache.acquire_prefix(key)
     h.cache.lock(match.node)
     assert h.cache.evict(16) == 0
     assert h.compute(list(range(40, 52))) is None  # no room: the locked prefix stays
@@ -231,6 +231,24 @@ def _run_program(h: Harness, program, copies: list[Held]) -> None:
 # ---------------------------------------------------------------------------------------------- the storage tier
 
 
+@pytest.mark.unit
+def test_a_match_counts_the_host_tier_and_moves_nothing(tmp_path: Path) -> None:
+    """The lookup that orders the queue changes nothing: a prefix on the host stays there (its load is admission's
+    acquire_prefix), the stored blocks are not read, no node is split and no LRU time moves."""
+    h = Harness("write_through", storage_dir=tmp_path)
+    key = list(range(100, 116))
+    h.compute(key)
+    h.cache.storage.drain()
+    assert h.cache.evict(16) == 16
+    nodes = list(h.cache._iter_nodes())
+    state = [(n.value is None, n.host_value is not None, len(n.key), n.last_access_time) for n in nodes]
+    assert h.cache.match_prefix(key) == 16 and h.cache.match_prefix(key[:10] + [0] * 6) == 10
+    assert h.cache.host_hit_tokens == 0 and h.cache.storage.hit_tokens == 0 and h.cache.total_size() == 0
+    assert [(n.value is None, n.host_value is not None, len(n.key), n.last_access_time) for n in nodes] == state
+    assert list(h.cache._iter_nodes()) == nodes
+    assert h.cache.acquire_prefix(key).indices.numel() == 16 and h.cache.host_hit_tokens == 16
+
+
 def _stored_then_restarted(tmp_path: Path, key: list[int]) -> Harness:
     first = Harness("write_through", storage_dir=tmp_path)
     first.compute(key)
@@ -242,11 +260,11 @@ def _stored_then_restarted(tmp_path: Path, key: list[int]) -> Harness:
 def test_a_restarted_cache_hits_the_stored_blocks(tmp_path: Path) -> None:
     key = list(range(300, 314))  # three whole blocks of 4, and 2 tokens no block holds
     h = _stored_then_restarted(tmp_path, key)
-    match = h.cache.match_prefix(key)
+    match = h.cache.acquire_prefix(key)
     assert match.indices.numel() == 12 and h.cache.storage.hit_tokens == 12
     h.check_rows(key, match.indices)
     h.check_accounting()
-    again = h.cache.match_prefix(key)  # now from the tree itself
+    again = h.cache.acquire_prefix(key)  # now from the tree itself
     assert torch.equal(again.indices, match.indices) and h.cache.storage.hit_tokens == 12
 
 
@@ -256,7 +274,7 @@ def test_a_partial_tree_hit_continues_from_storage(tmp_path: Path) -> None:
     h = _stored_then_restarted(tmp_path, key)
     h.compute(key[:6])  # block 0 comes from disk, 2 tokens are computed: the tree holds 6
     assert h.cache.storage.hit_tokens == 4
-    match = h.cache.match_prefix(key)  # the rest of block 1 and block 2 come from disk
+    match = h.cache.acquire_prefix(key)  # the rest of block 1 and block 2 come from disk
     assert match.indices.numel() == 12 and h.cache.storage.hit_tokens == 4 + 6
     h.check_rows(key, match.indices)
     h.check_accounting()
@@ -283,7 +301,7 @@ def test_a_bad_file_is_skipped_with_a_warning(tmp_path: Path, caplog, how: str) 
     _corrupt_second_block(tmp_path, how)
     h = Harness("write_through", storage_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="kiln"):
-        match = h.cache.match_prefix(key)
+        match = h.cache.acquire_prefix(key)
     assert match.indices.numel() == 4  # block 0 only: the bad block ends the run, block 2 is not reached
     h.check_rows(key, match.indices)
     assert h.cache.storage.skipped_files == 1 and "KV storage: skipped" in caplog.text

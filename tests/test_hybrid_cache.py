@@ -280,15 +280,15 @@ def test_match_stops_at_the_deepest_checkpoint() -> None:
     cache.states.conv[:, 0] = 7.0
     key = list(range(1, 13))
     _insert(cache, key)
-    assert cache.match_prefix(key).indices.numel() == 0  # no checkpoint: recomputed from the start
+    assert cache.acquire_prefix(key).indices.numel() == 0  # no checkpoint: recomputed from the start
     assert cache.match_stored(key).indices.numel() == 12
     cache.keep_state(cache.match_stored(key[:8]).node, 0)  # the state after 8 tokens, from working slot 0
-    hit = cache.match_prefix(key + [99])
+    hit = cache.acquire_prefix(key + [99])
     assert hit.indices.numel() == 8 and hit.node.checkpoint is not None
     cache.restore_state(hit.node, 1)
     assert torch.equal(cache.states.conv[:, 1], cache.states.conv[:, 0])
     cache.match_stored(key[:4])  # a split above the checkpoint leaves it on the node that ends at token 8
-    assert cache.match_prefix(key).indices.numel() == 8
+    assert cache.acquire_prefix(key).indices.numel() == 8
     cache.debug_check()
 
 
@@ -300,8 +300,8 @@ def test_checkpoints_reclaimed_least_recent_first_and_freed_with_their_nodes() -
         _insert(cache, key)
         cache.keep_state(cache.match_stored(key).node, 0)
     assert cache.checkpoint_count() == 2  # the third took the first one's slot
-    assert cache.match_prefix(keys[0]).indices.numel() == 0
-    assert all(cache.match_prefix(k + [9]).indices.numel() == 8 for k in keys[1:])
+    assert cache.acquire_prefix(keys[0]).indices.numel() == 0
+    assert all(cache.acquire_prefix(k + [9]).indices.numel() == 8 for k in keys[1:])
     cache.debug_check()
     cache.evict(256)
     assert cache.checkpoint_count() == 0 and cache.slots.available() == 2

@@ -155,6 +155,22 @@ def test_a_spec_describes_each_layer():
         }  # fmt: skip
     )
     assert mistral.layers == (LayerSpec("sliding_attention", window=32),) * 2
+    gemma2 = ModelSpec.from_config(
+        {
+            "model_type": "gemma2",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "vocab_size": 128,
+            "sliding_window": 16,
+            "attn_logit_softcapping": 50.0,
+            "layer_types": ["sliding_attention", "full_attention"],
+        }  # fmt: skip
+    )
+    assert gemma2.layers == (
+        LayerSpec("sliding_attention", window=16, softcap=50.0),
+        LayerSpec("full_attention", softcap=50.0),
+    )
 
 
 def test_a_config_without_a_sizing_field_is_refused_naming_it():

@@ -35,11 +35,11 @@ def test_match_after_insert() -> None:
     alloc, cache = _make()
     slots = _fill(alloc, 5)
     assert cache.insert([1, 2, 3, 4, 5], slots) == 0
-    m = cache.match_prefix([1, 2, 3, 9])
+    m = cache.acquire_prefix([1, 2, 3, 9])
     assert m.indices.tolist() == slots[:3].tolist()
-    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == slots.tolist()
-    assert cache.match_prefix([7]).indices.numel() == 0
-    assert cache.match_prefix([]).node is cache.root_node
+    assert cache.acquire_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == slots.tolist()
+    assert cache.acquire_prefix([7]).indices.numel() == 0
+    assert cache.acquire_prefix([]).node is cache.root_node
     assert (cache.total_size(), cache.evictable_size(), cache.protected_size()) == (5, 5, 0)
     cache.debug_check()
 
@@ -51,7 +51,7 @@ def test_insert_returns_already_cached_length() -> None:
     b = _fill(alloc, 6)
     assert cache.insert([1, 2, 3, 4, 5, 6], b) == 4  # caller frees b[:4]
     alloc.free(b[:4])
-    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == a.tolist() + b[4:].tolist()
+    assert cache.acquire_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == a.tolist() + b[4:].tolist()
     assert cache.total_size() + alloc.available_size() == alloc.size
     cache.debug_check()
 
@@ -60,7 +60,7 @@ def test_split_at_boundary() -> None:
     alloc, cache = _make()
     slots = _fill(alloc, 6)
     cache.insert([1, 2, 3, 4, 5, 6], slots)
-    m = cache.match_prefix([1, 2, 3, 7])
+    m = cache.acquire_prefix([1, 2, 3, 7])
     assert m.indices.tolist() == slots[:3].tolist()
     node = m.node
     assert node.key == [1, 2, 3] and list(node.children) == [(4,)]
@@ -69,7 +69,7 @@ def test_split_at_boundary() -> None:
     assert (cache.protected_size(), cache.evictable_size()) == (3, 3)
     cache.debug_check()
     assert cache.evict(100) == 3
-    assert cache.match_prefix([1, 2, 3, 4]).indices.tolist() == slots[:3].tolist()
+    assert cache.acquire_prefix([1, 2, 3, 4]).indices.tolist() == slots[:3].tolist()
     cache.unlock(node)
     cache.debug_check()
 
@@ -81,10 +81,10 @@ def test_page_size_4_alignment() -> None:
     assert cache.insert(key, slots) == 0
     assert cache.total_size() == 8  # the partial page stays the caller's
     alloc.free(slots[8:])
-    assert cache.match_prefix(key[:7]).indices.tolist() == slots[:4].tolist()
-    assert cache.match_prefix(key[:3]).indices.numel() == 0
+    assert cache.acquire_prefix(key[:7]).indices.tolist() == slots[:4].tolist()
+    assert cache.acquire_prefix(key[:3]).indices.numel() == 0
     # diverging inside the second page: the match stops at the page boundary and splits there
-    m = cache.match_prefix(key[:6] + [0, 0])
+    m = cache.acquire_prefix(key[:6] + [0, 0])
     assert m.indices.tolist() == slots[:4].tolist() and len(m.node.key) == 4
     assert cache.insert(key[:5] + [0, 0, 0], torch.cat([slots[:4], _fill(alloc, 4)])) == 4
     cache.debug_check()
@@ -96,20 +96,20 @@ def test_lru_eviction_order() -> None:
     alloc, cache = _make()
     for first in (1, 2, 3):
         cache.insert([first, 0], _fill(alloc, 2))
-    cache.match_prefix([1, 0])  # refresh: now 2 is the oldest, then 3, then 1
+    cache.acquire_prefix([1, 0])  # refresh: now 2 is the oldest, then 3, then 1
     assert cache.evict(1) == 2
-    assert cache.match_prefix([2, 0]).indices.numel() == 0
-    assert cache.match_prefix([3, 0]).indices.numel() == 2  # refreshes 3
+    assert cache.acquire_prefix([2, 0]).indices.numel() == 0
+    assert cache.acquire_prefix([3, 0]).indices.numel() == 2  # refreshes 3
     assert cache.evict(2) == 2
-    assert cache.match_prefix([1, 0]).indices.numel() == 0
-    assert cache.match_prefix([3, 0]).indices.numel() == 2
+    assert cache.acquire_prefix([1, 0]).indices.numel() == 0
+    assert cache.acquire_prefix([3, 0]).indices.numel() == 2
     cache.debug_check()
 
 
 def test_evicting_a_leaf_exposes_its_parent() -> None:
     alloc, cache = _make()
     cache.insert([1, 2, 3, 4], _fill(alloc, 4))
-    cache.match_prefix([1, 2])  # split into [1,2] -> [3,4]
+    cache.acquire_prefix([1, 2])  # split into [1,2] -> [3,4]
     assert cache.evict(1) == 2  # the leaf [3,4] goes first
     assert cache.evict(1) == 2  # then its parent, now a leaf
     assert cache.total_size() == 0 and alloc.available_size() == alloc.size
@@ -121,13 +121,13 @@ def test_locked_nodes_never_evicted() -> None:
     a = _fill(alloc, 3)
     cache.insert([1, 2, 3], a)
     cache.insert([5, 6], _fill(alloc, 2))
-    m = cache.match_prefix([1, 2, 3])
+    m = cache.acquire_prefix([1, 2, 3])
     cache.lock(m.node)
     cache.lock(m.node)
     assert cache.protected_size() == 3 and cache.evictable_size() == 2
     assert cache.evict(100) == 2
     assert cache.evict(100) == 0
-    assert cache.match_prefix([1, 2, 3]).indices.tolist() == a.tolist()
+    assert cache.acquire_prefix([1, 2, 3]).indices.tolist() == a.tolist()
     cache.unlock(m.node)
     assert cache.evict(100) == 0  # still locked once
     cache.unlock(m.node)
@@ -141,7 +141,7 @@ def test_locked_nodes_never_evicted() -> None:
 def test_reset_frees_everything_and_refuses_when_locked() -> None:
     alloc, cache = _make(32, ps=4)
     cache.insert(list(range(12)), _fill(alloc, 12))
-    m = cache.match_prefix(list(range(8)))
+    m = cache.acquire_prefix(list(range(8)))
     cache.lock(m.node)
     with pytest.raises(RuntimeError):
         cache.reset()
@@ -158,7 +158,7 @@ def test_insert_copies_the_slots() -> None:
     expect = row[:4].tolist()
     cache.insert([1, 2, 3, 4], row[:4])
     row[:] = 0  # the request table row is reused
-    assert cache.match_prefix([1, 2, 3, 4]).indices.tolist() == expect
+    assert cache.acquire_prefix([1, 2, 3, 4]).indices.tolist() == expect
 
 
 def test_page_size_must_match_allocator() -> None:
@@ -172,7 +172,7 @@ def test_no_prefix_cache() -> None:
     cache = NoPrefixCache(alloc)
     assert cache.page_size == 4
     slots = _fill(alloc, 10)
-    m = cache.match_prefix(list(range(10)))
+    m = cache.acquire_prefix(list(range(10)))
     assert m.indices.numel() == 0 and m.indices.dtype == torch.int64
     cache.lock(m.node)
     assert cache.insert(list(range(10)), slots) == 8  # caller frees all of its slots
@@ -272,7 +272,7 @@ class RadixMachine(RuleBasedStateMachine):
         if not tokens:
             return
         initial = min(initial, len(tokens))
-        m = self.cache.match_prefix(tokens[:initial])
+        m = self.cache.acquire_prefix(tokens[:initial])
         self._check_match(tokens, m.indices)
         event("start: prefix hit" if m.indices.numel() else "start: miss")
         self.cache.lock(m.node)
@@ -307,7 +307,7 @@ class RadixMachine(RuleBasedStateMachine):
     def chunk(self, data: st.DataObject) -> None:
         req = self.reqs[self._pick(data)]
         aligned = self._insert(req)
-        m = self.cache.match_prefix(req.tokens[: len(req.slots)])
+        m = self.cache.acquire_prefix(req.tokens[: len(req.slots)])
         assert m.indices.numel() == aligned
         self._check_match(req.tokens, m.indices)
         self.cache.lock(m.node)

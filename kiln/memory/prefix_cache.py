@@ -24,20 +24,20 @@ class PrefixCache(ABC):
     """Maps token-id prefixes to KV slots it owns; evicts unlocked entries back to the allocator.
 
     Ownership: ``insert`` returns how many leading tokens were already cached; the caller frees its own
-    duplicate slots in that range (those it did not get from ``match_prefix``), the cache takes the rest of
+    duplicate slots in that range (those it did not get from ``acquire_prefix``), the cache takes the rest of
     the page-aligned prefix, and slots past the page-aligned length stay the caller's.
     """
 
     page_size: int
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def acquire_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached page-aligned prefix of ``key``, made usable: refreshes its LRU time, and a tiered
         cache brings it onto the device. The scheduler calls it where it admits a request, nowhere else."""
 
     @abstractmethod
-    def peek_prefix(self, key: list[int]) -> int:
-        """How many leading tokens of ``key`` match_prefix would find (a tier's rows counted), changing
+    def match_prefix(self, key: list[int]) -> int:
+        """How many leading tokens of ``key`` acquire_prefix would find (a tier's rows counted), changing
         nothing: no LRU refresh, no split, no load, no collective."""
 
     @abstractmethod
@@ -71,8 +71,8 @@ class PrefixCache(ABC):
     def match_stored(self, key: list[int]) -> MatchResult:
         """The longest page-aligned prefix of ``key`` the cache stores, whether or not a request could start from
         it (a request re-locking the tokens it has just inserted). Only a hybrid model's cache tells the two apart:
-        its ``match_prefix`` stops where a state checkpoint is."""
-        return self.match_prefix(key)
+        its ``acquire_prefix`` stops where a state checkpoint is."""
+        return self.acquire_prefix(key)
 
     def restore_state(self, node: Any, slot: int) -> None:
         """A request starts in working slot ``slot`` from the prefix matched at ``node`` (None: from no tokens):
@@ -118,10 +118,10 @@ class NoPrefixCache(PrefixCache):
         self.device = allocator.device if allocator is not None else torch.device("cpu")
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def acquire_prefix(self, key: list[int]) -> MatchResult:
         return MatchResult(indices=self._empty, node=None)
 
-    def peek_prefix(self, key: list[int]) -> int:
+    def match_prefix(self, key: list[int]) -> int:
         return 0
 
     def lock(self, node: Any) -> None:

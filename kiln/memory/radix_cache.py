@@ -120,8 +120,9 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ interface
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix; splits the last node at the boundary, refreshes LRU times."""
+    def acquire_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached page-aligned prefix, taken for a request being admitted: splits the last node at the
+        boundary, refreshes LRU times (a tiered cache brings host and stored rows back here)."""
         end = len(key) // self.page_size * self.page_size
         key = key[:end] if end < len(key) else key
         now = next(self._clock)
@@ -143,10 +144,11 @@ class RadixCache(PrefixCache):
         indices = torch.cat(values) if values else self._empty
         return MatchResult(indices=indices, node=node)
 
-    def peek_prefix(self, key: list[int]) -> int:
-        """How many leading tokens of `key` a match would find, changing nothing: no node split, no LRU refresh, no
-        load from another tier (a node the host tier holds counts: admission's match loads it back), no storage
-        read, no collective. Orders the queue and budgets admission; the match at admission is where KV moves."""
+    def match_prefix(self, key: list[int]) -> int:
+        """How many leading tokens of `key` are cached, changing nothing: no node split, no LRU refresh, no load
+        from another tier (a node the host tier holds counts: admission's acquire_prefix loads it back), no storage
+        read, no collective. Orders the queue and budgets admission; acquire_prefix at admission is where KV
+        moves."""
         end = len(key) // self.page_size * self.page_size
         node, pos, path = self.root_node, 0, []
         while pos < end:
@@ -159,10 +161,10 @@ class RadixCache(PrefixCache):
             if m < len(child.key):
                 break
             node = child
-        return self._peek_end(path)
+        return self._match_end(path)
 
-    def _peek_end(self, path: list[tuple[TreeNode, int, bool]]) -> int:
-        """Where a peek's walk ends, from the nodes it went through ((node, tokens to its end, whole))."""
+    def _match_end(self, path: list[tuple[TreeNode, int, bool]]) -> int:
+        """Where a lookup's walk ends, from the nodes it went through ((node, tokens to its end, whole))."""
         return path[-1][1] if path else 0
 
     def _reach(self, node: TreeNode) -> bool:

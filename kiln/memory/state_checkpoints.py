@@ -71,11 +71,11 @@ class HybridRadixCache(RadixCache):
     def match_stored(self, key: list[int]) -> MatchResult:
         self._stored = True
         try:
-            return self.match_prefix(key)
+            return self.acquire_prefix(key)
         finally:
             self._stored = False
 
-    def _peek_end(self, path: list[tuple[TreeNode, int, bool]]) -> int:
+    def _match_end(self, path: list[tuple[TreeNode, int, bool]]) -> int:
         """As the match: at the deepest node wholly matched that keeps a state."""
         return next((pos for node, pos, whole in reversed(path) if whole and node.checkpoint is not None), 0)
 

@@ -25,11 +25,13 @@ EAGER_LINEAR = "the linear-attention layers' state updates are not captured"
 @dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: how it attends (FULL, SLIDING over `window` tokens, LATENT for MLA's compressed KV, or
-    LINEAR_ATTENTION with a per-request state instead of KV) and whether its MLP is a sparse MoE."""
+    LINEAR_ATTENTION with a per-request state instead of KV), its attention scores' softcap (Gemma 2), and whether
+    its MLP is a sparse MoE."""
 
     attention: str
     sparse_mlp: bool = False
     window: int | None = None
+    softcap: float | None = None
 
     @property
     def keeps_kv(self) -> bool:
@@ -71,12 +73,13 @@ class ModelSpec:
         text = shapes.text_config(config)
         kinds = shapes.layer_types(text)
         latent = shapes.is_mla(text)
-        window = text.get("sliding_window")
+        window, softcap = text.get("sliding_window"), text.get("attn_logit_softcapping")
         layers = tuple(
             LayerSpec(
                 attention=LATENT if latent and kind != LINEAR_ATTENTION else kind,
                 sparse_mlp=shapes.is_sparse_layer(text, i),
                 window=int(window) if kind == SLIDING and window else None,
+                softcap=float(softcap) if softcap and kind != LINEAR_ATTENTION else None,
             )
             for i, kind in enumerate(kinds)
         )

@@ -46,9 +46,9 @@ class KVManager:
     # ---- admission
     def match(self, req: Req) -> int:
         """Length of the cached prefix usable by req (at least its last token is always computed), by a lookup that
-        changes nothing (PrefixCache.peek_prefix): sorting the queue and budgeting admission move no KV."""
+        changes nothing (PrefixCache.match_prefix): sorting the queue and budgeting admission move no KV."""
         key = req.fill_ids[: req.seq_len - 1]
-        return self.cache.peek_prefix(key) if key else 0
+        return self.cache.match_prefix(key) if key else 0
 
     def admit(self, req: Req, limit: int | None = None) -> bool:
         """Take a table row and the cached prefix (its match here is where a tier's KV comes back, the load the
@@ -60,7 +60,7 @@ class KVManager:
                 return False
             req.table_idx = idx
             key = req.fill_ids[: req.seq_len - 1]
-            m = self.cache.match_prefix(key) if key else None
+            m = self.cache.acquire_prefix(key) if key else None
             if m is not None and m.indices.numel():
                 n = int(m.indices.numel())
                 self.table.req_to_token[idx, :n] = m.indices
