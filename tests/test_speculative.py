@@ -143,9 +143,9 @@ def test_ngram_greedy_identical_and_accepts(engine, reference):
 
 
 def test_plain_overlap_and_speculative_steps_commit_through_one_function(engine, reference, tiny_llama):
-    """Every token a request gains joins it in Scheduler.commit, whether a plain decode step sampled it, the
-    overlap schedule's forward thread did, or a verify step accepted it from a draft: a token appended anywhere
-    else fails the test, and what commit kept adds up to every request's output."""
+    """Every token a request gains joins it in Scheduler.commit, called from Scheduler.update, whether a plain
+    decode step sampled it, the overlap schedule's forward thread did, or a verify step accepted it from a draft: a
+    token appended anywhere else fails the test, and what commit kept adds up to every request's output."""
     overlapped = kiln.Engine(
         model_path=tiny_llama, device="cpu", disable_cuda_graph=True, max_total_tokens=4096,
         chunked_prefill_size=64, enable_overlap_schedule=True,
@@ -155,6 +155,7 @@ def test_plain_overlap_and_speculative_steps_commit_through_one_function(engine,
         spy = CommitSpy(eng.scheduler)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(eng.scheduler, "commit", spy.commit)
+            mp.setattr(eng.scheduler, "update", spy.update)
             mp.setattr(eng.scheduler.out, "append_token", spy.append_token)
             ids, _, spec = _run(eng, COPY_PROMPTS, GREEDY, drafter)
         assert ids == reference and sum(spy.kept) == sum(map(len, ids)), (drafter, spy.kept)
@@ -169,10 +170,20 @@ class CommitSpy:
 
     def __init__(self, sched):
         self.real_commit, self.real_append = sched.commit, sched.out.append_token
+        self.real_update = sched.update
+        self.updating = False
         self.inside: list = []
         self.kept: list[int] = []
 
+    def update(self, plan, result) -> None:
+        self.updating = True
+        try:
+            self.real_update(plan, result)
+        finally:
+            self.updating = False
+
     def commit(self, req, tokens, *args, **kwargs) -> int:
+        assert self.updating, "a token was committed outside Scheduler.update"
         self.inside.append(req)
         try:
             self.kept.append(self.real_commit(req, tokens, *args, **kwargs))

@@ -31,6 +31,7 @@ from kiln.runner.device_sampler import PendingSample
 from kiln.runner.sampler import SampleOutput, SamplingRow
 from kiln.scheduler.batch import build_decode
 from kiln.scheduler.req import Req
+from kiln.scheduler.step import StepKind, StepPlan, StepResult
 
 
 @dataclass
@@ -44,10 +45,11 @@ class Launched:
 
 @dataclass
 class InFlight:
-    """A launched decode step: its requests (row order) and its result, when it comes."""
+    """A launched decode step: its requests (row order), its plan and its result, when it comes."""
 
     reqs: list[Req]
     result: Future[Launched]
+    plan: StepPlan | None = None
 
 
 class ForwardThread:
@@ -59,15 +61,20 @@ class ForwardThread:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-forward")
 
     def launch(
-        self, reqs: list[Req], fb: ForwardBatch, rows: list[SamplingRow], after: InFlight | None
+        self,
+        reqs: list[Req],
+        fb: ForwardBatch,
+        rows: list[SamplingRow],
+        after: InFlight | None,
+        plan: StepPlan | None = None,
     ) -> InFlight:
         """Runs the step once `after` (the step in flight, or None) is launched; each request that was in it reads
-        its input id from the ids that step chose."""
+        its input id from the ids that step chose. `plan`: the scheduler's, which commits the step when it is in."""
         source = None
         if after is not None:
             row_of = {id(r): i for i, r in enumerate(after.reqs)}
             source = [row_of.get(id(r)) for r in reqs]
-        return InFlight(reqs, self.pool.submit(self._run, fb, rows, after, source))
+        return InFlight(reqs, self.pool.submit(self._run, fb, rows, after, source), plan)
 
     def _run(
         self,
@@ -156,9 +163,12 @@ class OverlapSchedule:
         if reqs:
             # the input ids of rows in flight are stale here: the forward thread fills them in
             fb = build_decode(reqs, self.kv.table, slots)
+            starts = tuple(r.kv_len for r in reqs)
             for r in reqs:  # the new slots are the requests' from here (a release frees them)
                 r.kv_len += 1
-            launched = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before)
+            every = tuple(range(len(reqs)))
+            plan = StepPlan(StepKind.DECODE, tuple(reqs), (1,) * len(reqs), starts, fb, every)
+            launched = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before, plan)
         self.in_flight = launched
         if before is not None:
             self._take_step(before)
@@ -178,10 +188,18 @@ class OverlapSchedule:
             else:
                 live.append(i)
         if live:
+            assert step.plan is not None, "a step the scheduler launched carries its plan"
             ids, logprobs, top = sampled.next_token_ids, sampled.logprobs, sampled.top_logprobs
             picked = SampleOutput([ids[i] for i in live], [logprobs[i] for i in live], [top[i] for i in live])
-            self._take_tokens([step.reqs[i] for i in live], picked)
-            self._decoded(len(live), result.graphed)
+            plan = step.plan
+            rows = replace(
+                plan,
+                reqs=tuple(plan.reqs[i] for i in live),
+                new_tokens=tuple(plan.new_tokens[i] for i in live),
+                starts=tuple(plan.starts[i] for i in live),
+                sampled=tuple(range(len(live))),
+            )  # the plan's rows still running: the others ended while this step ran
+            self.update(rows, StepResult(picked, graphed=result.graphed))
 
     def _cache_extra_row(self, req: Req) -> None:
         """A request that ended (EOS, a stop) after the next step had been launched with it: that step's row is
