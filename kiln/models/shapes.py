@@ -473,17 +473,6 @@ def context_len_of(hf_config: dict) -> int:
     return 2048
 
 
-def context_overrun(hf_config: dict, context_length: int | None) -> str | None:
-    """Why a --context-length is past the model's longest context (context_len_of), or None."""
-    longest = context_len_of(hf_config)
-    if context_length is None or context_length <= longest:
-        return None
-    return (
-        f"--context-length {context_length} is longer than this model's maximum position {longest} (its config's "
-        "max_position_embeddings and rope scaling): positions past it may give wrong outputs"
-    )
-
-
 def prefill_activation(hf_config: dict, tokens: int, tp: int, act_bytes: int, device: str) -> tuple[int, str]:
     """Peak activations of one prefill forward over `tokens` tokens, per rank."""
     cfg = text_config(hf_config)

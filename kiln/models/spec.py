@@ -176,7 +176,12 @@ class ModelSpec:
     # --- limits and splits ------------------------------------------------------------------------------------
     def context_overrun(self, context_length: int | None) -> str | None:
         """Why a --context-length is past the model's longest context, or None."""
-        return shapes.context_overrun(self._whole, context_length)
+        if context_length is None or context_length <= self.context_len:
+            return None
+        return (
+            f"--context-length {context_length} is longer than this model's maximum position {self.context_len} "
+            "(its config's max_position_embeddings and rope scaling): positions past it may give wrong outputs"
+        )
 
     def tp_problems(self, tp: int, ep: int = 1, fp8_block: tuple[int, int] | None = None) -> list[str]:
         """Why tp (and ep) ranks cannot split this model; empty when they can."""
@@ -187,7 +192,7 @@ class ModelSpec:
 
     @property
     def _whole(self) -> dict[str, Any]:
-        return dict(self._config)
+        return self._config  # read, never written, by kiln/models' arithmetic
 
     @property
     def _text(self) -> dict[str, Any]:

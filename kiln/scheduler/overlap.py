@@ -29,9 +29,8 @@ from kiln.core.forward_batch import ForwardBatch
 from kiln.core.transfer import to_device
 from kiln.runner.device_sampler import PendingSample
 from kiln.runner.sampler import SampleOutput, SamplingRow
-from kiln.scheduler.batch import build_decode
 from kiln.scheduler.req import Req
-from kiln.scheduler.step import StepKind, StepPlan, StepResult
+from kiln.scheduler.step import StepPlan, StepResult, decode_plan
 
 
 @dataclass
@@ -162,13 +161,8 @@ class OverlapSchedule:
         launched = None
         if reqs:
             # the input ids of rows in flight are stale here: the forward thread fills them in
-            fb = build_decode(reqs, self.kv.table, slots)
-            starts = tuple(r.kv_len for r in reqs)
-            for r in reqs:  # the new slots are the requests' from here (a release frees them)
-                r.kv_len += 1
-            every = tuple(range(len(reqs)))
-            plan = StepPlan(StepKind.DECODE, tuple(reqs), (1,) * len(reqs), starts, fb, every)
-            launched = self.forward_thread.launch(reqs, fb, plain_rows(reqs), before, plan)
+            plan = decode_plan(reqs, self.kv.table, slots)
+            launched = self.forward_thread.launch(reqs, plan.batch, plain_rows(reqs), before, plan)
         self.in_flight = launched
         if before is not None:
             self._take_step(before)

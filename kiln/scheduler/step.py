@@ -13,7 +13,9 @@ from enum import Enum
 import torch
 
 from kiln.core.forward_batch import ForwardBatch
+from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.runner.sampler import SampleOutput
+from kiln.scheduler.batch import build_decode
 from kiln.scheduler.req import Req
 from kiln.speculative.base import DraftTree
 from kiln.speculative.verify import Verdict
@@ -44,6 +46,17 @@ class StepPlan:
     def rows(self) -> list[int]:
         """Each request's first row in the forward's logits of a verify step (every row gives logits there)."""
         return [sum(self.new_tokens[:i]) for i in range(len(self.reqs))]
+
+
+def decode_plan(reqs: list[Req], table: ReqToTokenPool, slots: torch.Tensor) -> StepPlan:
+    """A decode step over `reqs`, one new slot each (`slots`, already in their table rows): the batch built, then
+    each request's kv_len counting its slot (a failure or a release frees it with the request)."""
+    batch = build_decode(reqs, table, slots)
+    starts = tuple(r.kv_len for r in reqs)
+    for r in reqs:
+        r.kv_len += 1
+    every = tuple(range(len(reqs)))
+    return StepPlan(StepKind.DECODE, tuple(reqs), (1,) * len(reqs), starts, batch, every)
 
 
 @dataclass(frozen=True)

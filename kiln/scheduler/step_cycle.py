@@ -14,9 +14,9 @@ import torch
 import kiln.distributed as distributed
 from kiln.runner.device_sampler import sample_step
 from kiln.runner.sampler import SampleOutput, SamplingRow
-from kiln.scheduler.batch import build_decode, build_extend
+from kiln.scheduler.batch import build_extend
 from kiln.scheduler.req import Req, ReqState
-from kiln.scheduler.step import StepKind, StepPlan, StepResult
+from kiln.scheduler.step import StepKind, StepPlan, StepResult, decode_plan
 from kiln.structured.masks import batch_masks, blocked_finish
 
 if TYPE_CHECKING:
@@ -72,12 +72,7 @@ class StepCycle:
         slots = self.kv.alloc_decode(reqs)
         if slots is None:
             return None
-        batch = build_decode(reqs, self.kv.table, slots)
-        starts = tuple(r.kv_len for r in reqs)
-        for r in reqs:
-            r.kv_len += 1
-        every = tuple(range(len(reqs)))
-        return StepPlan(StepKind.DECODE, tuple(reqs), (1,) * len(reqs), starts, batch, every)
+        return decode_plan(reqs, self.kv.table, slots)
 
     def run_plan(self, plan: StepPlan | None) -> None:
         if plan is not None:
