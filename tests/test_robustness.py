@@ -394,6 +394,13 @@ def test_sigterm_under_load_drains_aborts_and_exits_0(servers):
     while sum(e.is_set() for e in first) < 2 and time.time() < deadline:  # 2 run, 1 waits (--max-running 2)
         time.sleep(0.1)
     assert sum(e.is_set() for e in first) >= 2, "the streams never started"
+    # the third request must be in the engine's queue before the signal (on a slow host its POST can come after it,
+    # and be refused with a 503 instead of being drained)
+    while time.time() < deadline:
+        data = info(url, AUTH)
+        if data["num_running_reqs"] + data["num_waiting_reqs"] >= 3:
+            break
+        time.sleep(0.1)
     os.kill(srv.proc.pid, signal.SIGTERM)
     time.sleep(0.3)
     try:
