@@ -65,18 +65,28 @@ class ServerArgs:
     model_path: str | None = _f(
         None,
         "HF model directory, its config.json (kiln plan only), a .gguf file or a directory holding one, or a "
-        "Hugging Face model id (org/name) in the local hub cache, never downloaded (default: the bundled "
-        "SmolLM2-135M-Instruct GGUF)",
+        "Hugging Face model id (org/name), downloaded through huggingface_hub (HF_TOKEN, HF_ENDPOINT and "
+        "HF_HUB_OFFLINE honoured; serve downloads the weights in its `downloading` phase, plan only the config "
+        "and tokenizer) (default: the bundled SmolLM2-135M-Instruct GGUF)",
         aliases=("--model",),
     )
     revision: str | None = _f(
         None,
-        "branch, tag or commit of a Hugging Face model id given as --model-path (looked up in the local hub cache; "
-        "default: main)",
+        "branch, tag or commit of a Hugging Face model id given as --model-path (default: main)",
+    )
+    download_dir: str | None = _f(
+        None,
+        "where a Hugging Face model id's files are downloaded, in huggingface_hub's cache layout (default: "
+        "HF_HUB_CACHE, else HF_HOME/hub)",
     )
     tokenizer_path: str | None = _f(None, "tokenizer directory (default: the model path)")
     served_model_name: str | None = _f(None, "model name reported by /v1/models (default: the model path)")
     chat_template: str | None = _f(None, "a Jinja chat template file overriding the model's")
+    is_embedding: bool = _f(
+        False,
+        "serve the model as an embedding model: /v1/embeddings and /encode, no generation (on by itself for a "
+        "model directory with a sentence-transformers pooling config: modules.json and 1_Pooling/config.json)",
+    )
     host: str = _f("127.0.0.1", "HTTP host")
     port: int = _f(30000, "HTTP port")
     device: str = _f("auto", "cpu | cuda | auto", choices=["auto", "cpu", "cuda"])
@@ -124,6 +134,12 @@ class ServerArgs:
         None,
         "hybrid linear-attention models: state pool slots at most (each running request holds one, the prefix "
         "cache's checkpoints the rest)",
+    )
+    swa_full_tokens_ratio: float = _f(
+        0.8,
+        "hybrid sliding-window models (Gemma 2/3, GPT-OSS): windowed-layer tokens : full-attention pool tokens, "
+        "SGLang's ratio; Kiln keeps the windowed layers' KV in per-request rings of the window, so it sizes their "
+        "slots (running requests and prefix-cache checkpoints), when --max-running-requests is not given",
     )
     mamba_track_interval: int = _f(
         256,
@@ -187,6 +203,12 @@ class ServerArgs:
     log_requests: bool = _f(
         False, "log every request: its prompt and changed sampling parameters, then its finish and text"
     )
+    log_requests_level: int = _f(
+        2,
+        "what --log-requests logs (SGLang's levels): 0 metadata, 1 and the sampling parameters, 2 and the input "
+        "and output cut at 2048 characters, 3 and the input and output whole",
+        choices=[0, 1, 2, 3],
+    )
     log_level_http: str | None = _f(
         None,
         "the HTTP server's (uvicorn's) logging level, its access lines at info; default: --log-level",
@@ -247,12 +269,19 @@ class ServerArgs:
     tool_call_parser: str | None = _f(
         None,
         "how tool calls are read from the model's output (SGLang's names; kiln.text.tool_parsers)",
-        choices=["llama3", "qwen25", "qwen", "hermes", "mistral", "deepseekv3", "kimi_k2"],
+        choices=["llama3", "qwen25", "qwen", "hermes", "mistral", "deepseekv3", "kimi_k2", "gpt-oss"],
     )
     reasoning_parser: str | None = _f(
         None,
         "splits reasoning_content from content (SGLang's names; kiln.text.reasoning_parsers)",
-        choices=["deepseek-r1", "qwen3", "kimi"],
+        choices=["deepseek-r1", "qwen3", "kimi", "gpt-oss"],
+    )
+    sampling_defaults: str = _f(
+        "model",
+        "where a request's unset temperature, top_p, top_k, min_p and repetition_penalty come from: model (the "
+        "model directory's generation_config.json, where it sets them; a GGUF has none) | openai (temperature 1, "
+        "top_p 1, no top-k, min-p or repetition penalty); /model_info reports those in use",
+        choices=["model", "openai"],
     )
     # speculative decoding (kiln.speculative.settings resolves SGLang's auto defaults and checks them)
     speculative_algorithm: str | None = _f(
@@ -353,6 +382,9 @@ class ServerArgs:
     # Not a flag: the SGLang flags (and values) given that Kiln accepts without implementing, as argv tokens
     # ("--flag", *values), so that startup can say once what Kiln does instead of each (config_compat.py).
     foreign_flags: tuple[tuple[str, ...], ...] = _f((), "", cli=False)
+    # Not a flag: the Hugging Face model id --model-path named, once with_defaults has put its snapshot directory
+    # (config and tokenizer only) in model_path; the server downloads the weights there (kiln.loader.hub).
+    hub_model_id: str | None = _f(None, "", cli=False)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -407,6 +439,8 @@ class ServerArgs:
             raise ValueError(f"--max-mamba-cache-size {self.max_mamba_cache_size} must be >= 1")
         if self.mamba_track_interval < 1:
             raise ValueError(f"--mamba-track-interval {self.mamba_track_interval} must be >= 1")
+        if self.swa_full_tokens_ratio <= 0:
+            raise ValueError(f"--swa-full-tokens-ratio {self.swa_full_tokens_ratio:g} must be > 0")
 
     def _check_nodes(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -429,9 +463,10 @@ class ServerArgs:
 
     def with_defaults(self) -> ServerArgs:
         """Fill the model path with the default model when none was given, and turn a Hugging Face model id
-        (--model-path org/name; --tokenizer-path too) into its snapshot directory in the local hub cache at
-        --revision, so that everything after reads a local path; the id stays the served model name, as in
-        SGLang. Raises ValueError for an id the cache does not hold."""
+        (--model-path org/name; --tokenizer-path too) into its snapshot directory in the hub cache at --revision,
+        its config and tokenizer files fetched (no weights: kiln.loader.hub), so that everything after reads a
+        local path; the id stays the served model name, as in SGLang, and hub_model_id. Raises ValueError naming
+        an id that cannot be fetched."""
         from kiln.loader.model_config import hub_snapshot, is_hub_id
 
         if not self.model_path:
@@ -440,10 +475,15 @@ class ServerArgs:
             return dataclasses.replace(self, model_path=default_model_path())
         changes: dict[str, str] = {}
         if is_hub_id(self.model_path):
-            changes["model_path"] = hub_snapshot(self.model_path, self.revision)
+            changes["model_path"] = hub_snapshot(
+                self.model_path, self.revision, download_dir=self.download_dir
+            )
             changes["served_model_name"] = self.served_model_name or self.model_path
+            changes["hub_model_id"] = self.model_path
         if self.tokenizer_path and is_hub_id(self.tokenizer_path):
-            changes["tokenizer_path"] = hub_snapshot(self.tokenizer_path, self.revision)
+            changes["tokenizer_path"] = hub_snapshot(
+                self.tokenizer_path, self.revision, "--tokenizer-path", self.download_dir
+            )
         return dataclasses.replace(self, **changes) if changes else self
 
     @classmethod
@@ -500,7 +540,7 @@ def _add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> No
             v for entry in config_compat.FOREIGN_VALUES if entry.flag == flags[0] for v in entry.values
         ]
         kw["choices"] = [*choices, *foreign]
-        kw["metavar"] = "{" + ",".join(choices) + "}"
+        kw["metavar"] = "{" + ",".join(map(str, choices)) + "}"
     aliases = f.metadata.get("value_aliases")
     if aliases:
         kw["type"] = lambda value: aliases.get(value, value)

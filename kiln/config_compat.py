@@ -149,8 +149,8 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         values="--torch-compile-max-bs",
     ),
     *_group(
-        "Kiln has no request-log levels, formats or targets: --log-requests is its one switch",
-        values="--log-requests-level --log-requests-format",
+        "Kiln's request log has SGLang's levels (--log-requests-level) and no other formats or targets",
+        values="--log-requests-format",
         lists="--log-requests-target",
     ),
     *_group(
@@ -179,14 +179,13 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         values="--config",
     ),
     *_group(
-        "Kiln never downloads: a Hugging Face model id is looked up in the hub cache (HF_HOME / "
-        "HF_HUB_CACHE)",
-        values="--download-dir",
+        "Kiln checks no checksum of its own: huggingface_hub verifies the sizes of what it downloads",
         optional="--model-checksum",
     ),
     *_group(
-        "Kiln serves text generation only: no embedding, reward or diffusion models",
-        switches="--is-embedding --prefill-only-disable-kv-cache",
+        "Kiln serves generation and --is-embedding models only (no reward or diffusion models), and keeps a "
+        "prefill-only request's KV for the prefix cache",
+        switches="--prefill-only-disable-kv-cache",
         toggles="--dllm-fdfo",
         values="--dllm-algorithm --dllm-algorithm-config",
     ),
@@ -204,9 +203,9 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         switches="--stream-response-default-include-usage",
     ),
     *_group(
-        "Kiln's sampling defaults are OpenAI's (temperature 1, top_p 1); it reads no generation_config.json",
-        values="--sampling-defaults --preferred-sampling-params",
-        agreeing=("openai",),
+        "Kiln's sampling defaults are --sampling-defaults' (the model's generation_config.json, or OpenAI's); it "
+        "takes no JSON of preferred ones",
+        values="--preferred-sampling-params",
     ),
     *_group(
         "Kiln renders the tokenizer's chat template (or --chat-template) with the request's "
@@ -350,8 +349,9 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         values="--c128-page-size",
     ),
     *_group(
-        "Kiln's state pool holds gated DeltaNet states (conv in the model dtype, recurrent float32), "
-        "checkpointed every --mamba-track-interval tokens: no Mamba2, sliding-window or other state layouts",
+        "Kiln's state pool holds gated DeltaNet states (conv in the model dtype, recurrent float32) or a hybrid "
+        "sliding-window model's rings of the window, checkpointed every --mamba-track-interval tokens: no Mamba2 "
+        "or other state layouts",
         switches=(
             "--disable-hybrid-swa-memory --enable-mamba-cache-stochastic-rounding "
             "--enable-int8-mamba-checkpoint --enable-linear-replayssm --enable-linear-replayssm-spec "
@@ -359,7 +359,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         ),
         toggles="--enable-decoder-swa-bounded-replay",
         values=(
-            "--swa-full-tokens-ratio --mamba-backend --mamba-ssm-dtype "
+            "--mamba-backend --mamba-ssm-dtype "
             "--mamba-max-states-per-path --mamba-cache-philox-rounds "
             "--mamba-radix-cache-strategy --int8-mamba-ckpt-size "
             "--linear-attn-backend --linear-attn-decode-backend --linear-attn-prefill-backend "
@@ -631,7 +631,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
 # SGLang's spellings of the flags ServerArgs implements (its fields' names and aliases), for the docs table and
 # the test that every SGLang flag parses
 SGLANG_NATIVE_FLAGS: tuple[str, ...] = tuple(
-    "--model-path --model --tokenizer-path --context-length --revision --dtype --kv-cache-dtype "
+    "--model-path --model --tokenizer-path --context-length --revision --download-dir --dtype --kv-cache-dtype "
     "--mem-fraction-static --max-running-requests --max-queued-requests --max-total-tokens "
     "--chunked-prefill-size --max-prefill-tokens --schedule-policy --schedule-conservativeness --page-size "
     "--disable-radix-cache --dist-init-addr --nccl-init-addr --nnodes --node-rank --tp-size "
@@ -642,11 +642,11 @@ SGLANG_NATIVE_FLAGS: tuple[str, ...] = tuple(
     "--cuda-graph-max-bs-prefill --cuda-graph-bs-decode --cuda-graph-bs-prefill "
     "--disable-prefill-cuda-graph --ep-size --expert-parallel-size --ep --enable-hierarchical-cache "
     "--enable-hicache --hicache-ratio --hicache-size --hicache-write-policy --hicache-storage-backend "
-    "--reasoning-parser --tool-call-parser --disable-cuda-graph --mamba-full-memory-ratio "
+    "--reasoning-parser --tool-call-parser --sampling-defaults --disable-cuda-graph --mamba-full-memory-ratio "
     "--max-mamba-cache-size --mamba-track-interval --quantization --speculative-algorithm "
     "--speculative-draft-model-path --speculative-draft-model --speculative-num-steps "
     "--speculative-eagle-topk --speculative-num-draft-tokens --attention-backend --load-format "
-    "--disable-overlap-schedule".split()
+    "--disable-overlap-schedule --is-embedding".split()
 )
 
 FOREIGN_VALUES: tuple[ForeignValue, ...] = (

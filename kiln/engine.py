@@ -21,7 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam, SamplingParams
 from kiln.scheduler.fanout import fan_out, prefill_only_params
-from kiln.scheduler.io import AbortReq, GenerateReq, OutputAccumulator
+from kiln.scheduler.io import AbortReq, GenerateReq, OutputAccumulator, embedding_spec
 from kiln.scheduler.launch import build_engine
 from kiln.scheduler.validate import validate_request
 
@@ -43,10 +43,24 @@ def output_dict(result: OutputAccumulator, t0: float) -> dict:
     if logprobs:
         meta["output_token_logprobs"] = [(lp.logprob, lp.token_id) for lp in logprobs]
         meta["output_top_logprobs"] = [lp.top for lp in logprobs]
+    if result.input_logprobs:  # sampling param logprob_start_len: the prompt's, the first one's logprob None
+        meta["input_token_logprobs"] = [(lp.logprob, lp.token_id) for lp in result.input_logprobs]
+        meta["input_top_logprobs"] = [lp.top for lp in result.input_logprobs]
     if last.error:
         meta["error"] = last.error
+    if last.embedding is not None:  # a pooled request's (encode)
+        meta["embedding"] = last.embedding
     # a copy: a stream's chunks must not all show the accumulator's latest ids
     return {"text": result.text, "output_ids": list(result.ids), "meta_info": meta}
+
+
+def _encode_dict(out: dict, t0: float) -> dict:
+    """SGLang's /encode body of one prompt from its generate-shaped output: the embedding and its meta_info."""
+    meta = out["meta_info"]
+    if meta.get("error"):
+        raise RuntimeError(f"encoding failed in the engine: {meta['error']}")
+    info = {k: meta[k] for k in ("id", "finish_reason", "prompt_tokens")}  # SGLang's embedding meta_info
+    return {"embedding": meta["embedding"], "meta_info": {**info, "e2e_latency": time.time() - t0}}
 
 
 class Engine:
@@ -108,20 +122,10 @@ class Engine:
         """As SGLang's Engine.generate. With stream=True it checks the call at once and returns an iterator of
         chunks: each holds its generation's text and ids so far, and `index` (its place among the call's
         generations) when the call has more than one; closing the iterator early aborts what is still running."""
-        if self.scheduler is None:
-            raise RuntimeError("this kiln.Engine is shut down: create another")
-        if self._busy:  # one scheduler, stepped by whoever reads: two readers would take each other's outputs
-            raise RuntimeError("this kiln.Engine has a stream open: read it to its end or close() it first")
-        single = isinstance(prompt, str) or (
-            input_ids is not None and input_ids and isinstance(input_ids[0], int)
-        )
-        if prompt is not None:
-            prompts = [prompt] if isinstance(prompt, str) else prompt
-            ids_list = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            ids_list = [input_ids] if single else list(input_ids or [])
-        if not ids_list:  # as SGLang's Engine: a call without a prompt is an error, not an empty answer
-            raise InvalidParam("prompt", "either a prompt or input_ids should be given")
+        self._check_ready()
+        if self.parts.pooling is not None:
+            raise InvalidParam("prompt", "this Engine runs an embedding model (is_embedding): use encode()")
+        single, ids_list = self._prompt_ids(prompt, input_ids)
         sp = sampling_params or {}
         sps = sp if isinstance(sp, list) else [sp] * len(ids_list)
         params = [_sampling_params(p) for p in sps]
@@ -149,6 +153,53 @@ class Engine:
             self._busy = False
         results = [done[g[0].rid] if len(g) == 1 else [done[r.rid] for r in g] for g in groups]
         return results[0] if single else results
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        dimensions: int | None = None,
+    ) -> dict | list[dict]:
+        """As SGLang's Engine.encode: each prompt's embedding, {"embedding": [...], "meta_info": {...}} (a list for
+        a list of prompts), on an embedding model (is_embedding, or a sentence-transformers pooling config)."""
+        self._check_ready()
+        pooling = self.parts.pooling
+        if pooling is None:
+            raise InvalidParam(
+                "prompt", "this Engine runs a generation model: start it with is_embedding=True"
+            )
+        single, ids_list = self._prompt_ids(prompt, input_ids)
+        pool = embedding_spec(pooling, dimensions, self.parts.model_config.hidden_size)
+        params = SamplingParams(max_new_tokens=0)
+        for ids in ids_list:
+            validate_request(ids, params, self.scheduler.limits)
+        reqs = [GenerateReq(f"embd-{next(_ids)}", list(ids), params, pool=pool) for ids in ids_list]
+        self._busy = True
+        try:
+            t0, done = time.time(), self._run(reqs)
+        finally:
+            self._busy = False
+        results = [_encode_dict(done[r.rid], t0) for r in reqs]
+        return results[0] if single else results
+
+    def _prompt_ids(
+        self, prompt: str | list[str] | None, input_ids: list[int] | list[list[int]] | None
+    ) -> tuple[bool, list[list[int]]]:
+        """Whether the call names one prompt, and each prompt's token ids (texts tokenized)."""
+        single = isinstance(prompt, str) or (bool(input_ids) and isinstance(input_ids[0], int))
+        if prompt is not None:
+            ids_list = [self.tokenizer.encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
+        else:
+            ids_list = [input_ids] if single else list(input_ids or [])
+        if not ids_list:  # as SGLang's Engine: a call without a prompt is an error, not an empty answer
+            raise InvalidParam("prompt", "either a prompt or input_ids should be given")
+        return single, ids_list
+
+    def _check_ready(self) -> None:
+        if self.scheduler is None:
+            raise RuntimeError("this kiln.Engine is shut down: create another")
+        if self._busy:  # one scheduler, stepped by whoever reads: two readers would take each other's outputs
+            raise RuntimeError("this kiln.Engine has a stream open: read it to its end or close() it first")
 
     def _close_stream(self) -> None:
         opened = self._open() if self._open is not None else None

@@ -82,13 +82,16 @@ def run(namespace: argparse.Namespace) -> int:
         return 2
     ledger = deployment.ledger
     if namespace.json:
-        print(ledger_json(ledger, platform=platform_json(deployment.platform)))
+        extra = {"platform": platform_json(deployment.platform), "is_embedding": deployment.args.is_embedding}
+        print(ledger_json(ledger, **extra))
     else:
         # a Hugging Face id by its name, not by the hash its snapshot directory is named after
         hub_id = given.model_path if given.model_path and given.model_path != args.model_path else None
         name = hub_id or Path(args.model_path).name or args.model_path
         device = ledger.device if deployment.platform.here else deployment.platform.name
-        title = f"Kiln memory plan for {name}: {device}, tp {ledger.tp_size}, per rank (GiB = 2^30 B)"
+        # an embedding deployment (--is-embedding, or found from the model's pooling config) prefills only
+        kind = ", embedding model (prefill only, no decode graphs)" if deployment.args.is_embedding else ""
+        title = f"Kiln memory plan for {name}{kind}: {device}, tp {ledger.tp_size}, per rank (GiB = 2^30 B)"
         print(format_table(ledger, title))
         print(format_verdict(ledger))
     return 0 if ledger.fits else 1

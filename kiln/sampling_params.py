@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+
+# the parameters a model's generation_config.json gives defaults for under --sampling-defaults model (SGLang's
+# list, ModelConfig.get_default_sampling_params); kiln.loader.generation_config reads them
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it a request decodes greedily
 
 
 class InvalidParam(ValueError):
@@ -34,6 +40,9 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs_num: int = 0
+    # SGLang's logprob_start_len: the first prompt token of the prompt logprobs, for a request asking for logprobs
+    # (-1: none; the scheduler computes them from there on, and no prefix-cache hit covers that part)
+    logprob_start_len: int = -1
     logit_bias: dict[int, float] | None = None
     # constrained decoding (SGLang's names): the output matches this JSON schema, regex or EBNF grammar
     json_schema: str | None = None
@@ -42,11 +51,27 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """SGLang's rule: a temperature below 1e-6 is greedy (dividing logits by it would overflow to inf)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def prompt_logprob_start(self) -> int | None:
+        """Where the prompt logprobs start (logprob_start_len), when the request asks for logprobs at all: as
+        SGLang, the start alone asks for nothing."""
+        wanted = self.logprobs or self.top_logprobs_num > 0
+        return self.logprob_start_len if wanted and self.logprob_start_len >= 0 else None
 
     @property
     def needs_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def fill_unset(self, defaults: Mapping[str, float], given: Collection[str]) -> SamplingParams:
+        """Each of `defaults` (the model's, see MODEL_DEFAULT_FIELDS) for a parameter the request did not send:
+        `given` names those it sent, so one sent at the plain default (temperature 1.0) keeps it."""
+        for name, value in defaults.items():
+            if name not in given:
+                setattr(self, name, value)
+        return self
 
     def normalize(self) -> SamplingParams:
         if isinstance(self.stop, str):
@@ -69,6 +94,7 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
             ("n", 1 <= self.n <= 128, "must be in [1, 128]"),
             ("top_logprobs_num", 0 <= self.top_logprobs_num <= 20, "must be in [0, 20]"),
+            ("logprob_start_len", self.logprob_start_len >= -1, "must be -1 (no prompt logprobs) or >= 0"),
         ]
         for name, ok, msg in checks:
             value = getattr(self, name)

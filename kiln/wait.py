@@ -1,8 +1,9 @@
 """`kiln wait URL`: follow a starting server's phases with a progress bar; exit 0 when ready, 1 with the failed
 phase and reason, 2 on timeout (and, as argparse does, on bad arguments). The replacement for polling logs for
-"fired up". A kernel build (building_kernels) shows what is compiling, whether it is a first build, the seconds
-elapsed and how long the last build took: a compiler reports no progress of its own. When stderr is not a
-terminal (a log file, CI), a line per phase replaces the bar, whose redraws would fill the log."""
+"fired up". A model id's download (downloading) shows its bytes done and total and the rate. A kernel build
+(building_kernels) shows what is compiling, whether it is a first build, the seconds elapsed and how long the last
+build took: a compiler reports no progress of its own. When stderr is not a terminal (a log file, CI), a line per
+phase replaces the bar, whose redraws would fill the log."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 from tqdm import tqdm
 
 from kiln.core.argtypes import positive_float, server_url
+from kiln.loader.hub import progress_text
 from kiln.server.startup import PHASES
 
 # Without a terminal: the most often a phase's changed progress is logged again (its first line is immediate).
@@ -131,6 +133,8 @@ def describe(phase: str, progress: dict) -> str:
     """The bar's text for a phase and its latest progress report."""
     if phase == "building_kernels":
         return phase + _kernel_detail(progress)
+    if phase == "downloading" and "bytes_done" in progress:
+        return f"{phase} ({progress_text(progress)})"
     detail = ", ".join(f"{k}={v}" for k, v in progress.items())
     return phase + (f" ({detail})" if detail else "")
 

@@ -205,7 +205,7 @@ def test_wait_logs_one_line_per_phase_without_a_terminal(status_server, capsys):
         "loading_weights",
         "ready",
     ], err
-    assert lines[1] == "kiln wait: [1/7] building_kernels (k: cached, 0 s)"
+    assert lines[1] == "kiln wait: [2/8] building_kernels (k: cached, 0 s)"
     assert "is ready after 1.5 s" in out
 
 

@@ -64,6 +64,25 @@ def test_kernel_matches_gather_and_sdpa(prefix, tails):
     torch.testing.assert_close(got, _reference(q, table, mask, 0.125), rtol=1e-5, atol=1e-5)
 
 
+def test_sinks_match_the_torch_path():
+    """A sink logit per query head (GPT-OSS) joins every row's softmax and takes its share from the slots: the
+    kernel gives the torch path's output (kiln.runner.attention.windowed.attend), and a large sink shrinks it."""
+    from kiln.layers.cpu_gemm import cpu_decode_attention_sinks
+    from kiln.runner.attention.windowed import attend
+
+    table, mask = _table(0, [1, 17, 3, 40])
+    q = torch.randn(len(table), HQ, D)
+    sinks = torch.randn(HQ) * 2
+    got = cpu_decode_attention_sinks(q, POOL.k[0], POOL.v[0], table, mask, 0.125, sinks)
+    k, v = POOL.gather(0, table)
+    want = attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], 0.125, None, sinks)
+    torch.testing.assert_close(got, want.squeeze(2), rtol=1e-5, atol=1e-5)
+    plain = cpu_decode_attention()(q, POOL.k[0], POOL.v[0], table, mask, 0.125)
+    assert not torch.allclose(got, plain, atol=1e-3)
+    muted = cpu_decode_attention_sinks(q, POOL.k[0], POOL.v[0], table, mask, 0.125, torch.full((HQ,), 60.0))
+    assert muted.abs().max() < 1e-6 * plain.abs().max()
+
+
 @pytest.mark.parametrize("batch", [2, 8, 9, 19])  # one chunk of 8 requests, exactly one, and ragged chunks
 def test_shared_prefix_is_bit_identical_to_the_per_request_walk(batch):
     table, mask = _table(104, [1 + (7 * b) % 23 for b in range(batch)], seed=batch)

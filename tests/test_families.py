@@ -1,8 +1,9 @@
-"""Mixtral (a sparse MoE in every layer) and Phi-3 (q/k/v and gate/up fused in the checkpoint, partial rotary,
-LongRoPE) on tiny random configs, served by the Engine token-identical to transformers' float32 greedy output
-(logits within 1e-4): the shared scenarios of tests/model_equality.py on Mixtral and plain-rope Phi-3, and
-LongRoPE's short and long factors around original_max_position_embeddings, per request, as transformers'
-generation picks them. `kiln plan` on both, and the sliding-window refusal."""
+"""Mixtral (a sparse MoE in every layer), Phi-3 (q/k/v and gate/up fused in the checkpoint, partial rotary,
+LongRoPE) and Qwen2 with use_sliding_window on tiny random configs whose sliding window (16 tokens) is far shorter
+than most prompts, served by the Engine token-identical to transformers' float32 greedy output (logits within
+1e-4): the shared scenarios of tests/model_equality.py on Mixtral, plain-rope Phi-3 and Qwen2 (its first layer
+full, max_window_layers), and LongRoPE's short and long factors around original_max_position_embeddings, per
+request, as transformers' generation picks them. `kiln plan` on Mixtral and Phi-3 over a context past the window."""
 
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ from kiln.layers.rotary import LongRopeEmbedding, RotaryEmbedding, rotary_config
 
 pytestmark = pytest.mark.engine
 
+WINDOW = 16  # Mixtral's and Phi-3's every layer, Qwen2's past max_window_layers
 _SHAPE = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=4096, tie_word_embeddings=False, sliding_window=None,
+    max_position_embeddings=4096, tie_word_embeddings=False, sliding_window=WINDOW,
 )  # fmt: skip
 TINY_MIXTRAL = dict(_SHAPE, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
 TINY_PHI3 = dict(_SHAPE, intermediate_size=128)
+TINY_QWEN2 = dict(_SHAPE, intermediate_size=128, use_sliding_window=True, max_window_layers=1)
 ORIGINAL = 32  # LongRoPE's original_max_position_embeddings: the prompts below fall on both sides of it
 ROTARY = 12  # of the head's 16 dims: partial_rotary_factor 0.75, as Phi-4-mini's
 
@@ -57,14 +60,24 @@ def longrope(seed: int = 1) -> dict:
 
 
 def build(kind: str, out_dir: Path, seed: int = 0, **config) -> Path:
-    """A random Mixtral or Phi-3 saved with transformers (Mixtral's experts as w1 / w3 / w2 per expert under
-    block_sparse_moe, as its checkpoints hold them), with the default model's tokenizer."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM
-
-    classes = {"mixtral": (MixtralConfig, MixtralForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}[kind]
-    model, tok = random_model(
-        *classes, seed, **(config or {"mixtral": TINY_MIXTRAL, "phi3": TINY_PHI3}[kind])
+    """A random Mixtral, Phi-3 or Qwen2 saved with transformers (Mixtral's experts as w1 / w3 / w2 per expert
+    under block_sparse_moe, as its checkpoints hold them), with the default model's tokenizer."""
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
     )
+
+    classes = {
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[kind]
+    tiny = {"mixtral": TINY_MIXTRAL, "phi3": TINY_PHI3, "qwen2": TINY_QWEN2}[kind]
+    model, tok = random_model(*classes, seed, **(config or tiny))
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
@@ -72,16 +85,16 @@ def build(kind: str, out_dir: Path, seed: int = 0, **config) -> Path:
 
 # seeds whose greedy steps in the scenarios have no near tie (top-2 logits 3e-4 apart or more), which float
 # rounding alone would decide
-SEEDS = {"mixtral": 1, "phi3": 4, "longrope": 5}
+SEEDS = {"mixtral": 1, "phi3": 4, "qwen2": 0, "longrope": 5}
 
 
-@pytest.fixture(scope="module", params=["mixtral", "phi3"])
+@pytest.fixture(scope="module", params=["mixtral", "phi3", "qwen2"])
 def model_path(request, tmp_path_factory) -> str:
     return str(build(request.param, tmp_path_factory.mktemp(request.param), SEEDS[request.param]))
 
 
 class TestFamiliesMatchTransformers(EngineEquality):
-    """The shared end-to-end scenarios on the tiny Mixtral and Phi-3, but HTTP's: the server does not depend on
+    """The shared end-to-end scenarios on the tiny Mixtral, Phi-3 and Qwen2, but HTTP's: the server does not depend on
     the family (tests/test_moe.py and tests/test_deepseek.py serve their models over it), and a server start
     per family would double this module's time."""
 
@@ -90,6 +103,10 @@ class TestFamiliesMatchTransformers(EngineEquality):
 
 def test_the_layers_are_the_familys(engine: kiln.Engine, model_path: str) -> None:
     model = engine.scheduler.runner.model
+    windows = [layer.self_attn.window for layer in model.model.layers]
+    assert windows == ([None, WINDOW] if type(model).__name__ == "Qwen2ForCausalLM" else [WINDOW, WINDOW])
+    if type(model).__name__ == "Qwen2ForCausalLM":
+        return
     if type(model).__name__ == "MixtralForCausalLM":
         assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["SparseMoeBlock"] * 2
         experts = model.model.layers[0].mlp.experts
@@ -150,7 +167,15 @@ def test_partial_rotary_turns_the_first_dims_as_transformers() -> None:
 def _extend(prefix_lens: list[int], extend_lens: list[int]) -> tuple[ForwardBatch, torch.Tensor]:
     positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
     empty = torch.zeros(0, dtype=torch.long)
-    fb = ForwardBatch(ForwardMode.EXTEND, positions, positions, empty, None, extend_lens, prefix_lens)
+    fb = ForwardBatch(
+        ForwardMode.EXTEND,
+        positions,
+        positions,
+        empty,
+        None,
+        extend_lens=extend_lens,
+        prefix_lens=prefix_lens,
+    )
     return fb, positions
 
 
@@ -274,38 +299,14 @@ def test_longrope_greedy_alone_batched_and_chunked(
 
 @pytest.mark.unit
 @pytest.mark.parametrize("kind", ["mixtral", "phi3"])
-def test_plan_serves_both_and_refuses_their_sliding_window(kind: str, capsys, model_dir) -> None:
-    """transformers' Mixtral and Phi-3 mask every layer to sliding_window (Phi-3-mini-4k: 2047 of 4096): over a
-    longer context Kiln refuses it, naming the fix, and serves the context the window does not change."""
+def test_plan_serves_both_over_a_context_past_their_window(kind: str, capsys, model_dir) -> None:
+    """transformers' Mixtral and Phi-3 mask every layer to sliding_window (Phi-3-mini-4k: 2047 of 4096), and so
+    does Kiln: plan fits them over their whole context."""
     from transformers import MixtralConfig, Phi3Config
 
     config = MixtralConfig(**TINY_MIXTRAL) if kind == "mixtral" else Phi3Config(**longrope(), pad_token_id=0)
     config.architectures = [f"{'Mixtral' if kind == 'mixtral' else 'Phi3'}ForCausalLM"]
-    path = model_dir(config.to_dict(), kind)
-    assert plan.main(["--model-path", path, "--device", "cpu"]) == 0
+    windowed = model_dir({**config.to_dict(), "sliding_window": 2047}, f"{kind}-window")
+    assert plan.main(["--model-path", windowed, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "verdict: fits" in out and "context_len=4096" in out
-    windowed = model_dir({**config.to_dict(), "sliding_window": 2047}, f"{kind}-window")
-    assert plan.main(["--model-path", windowed, "--device", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert "sliding_window 2047 is not implemented by Kiln" in err
-    assert "serve it with --context-length 2047 or less" in err
-    assert plan.main(["--model-path", windowed, "--device", "cpu", "--context-length", "2047"]) == 0
-
-
-def test_serve_refuses_a_phi3_window_before_loading(tmp_path: Path) -> None:
-    path = build("phi3", tmp_path / "windowed", **{**TINY_PHI3, "sliding_window": 64})
-    with pytest.raises(Exception, match="sliding_window 64 is not implemented by Kiln"):
-        kiln.Engine(model_path=str(path), **BASE_ARGS)
-
-
-@pytest.mark.unit
-def test_mixtrals_experts_split_over_tp_over_ep_ranks() -> None:
-    """Mixtral's experts are intermediate_size wide and it has no dense MLP: tp 4 with ep 2 splits each expert
-    over 2 ranks, which 34 allows; tp 4 alone would cut 34 in 4."""
-    from kiln.models.spec import ModelSpec
-
-    config = {"model_type": "mixtral", "vocab_size": 128, **TINY_MIXTRAL, "intermediate_size": 34}
-    spec = ModelSpec.from_config(config)
-    assert spec.tp_problems(4, 2) == [] and spec.tp_problems(4) == ["intermediate_size 34"]
-    assert all(layer.sparse_mlp for layer in spec.layers) and spec.routed_experts == 8

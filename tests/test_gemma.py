@@ -18,6 +18,8 @@ import torch
 from model_equality import (  # the fixtures among these apply to this module by being imported
     EngineEquality,
     engine_fixture,  # noqa: F401
+    generate,
+    ids_of,
     one_torch_thread,  # noqa: F401
     random_model,
     reference_fixture,  # noqa: F401
@@ -148,7 +150,7 @@ def _eager(q, k, v, window: int | None, softcap: float | None, scale: float) -> 
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("backend_cls", [TorchSdpaBackend, CpuKernelBackend])
+@pytest.mark.parametrize("backend_cls", [TorchSdpaBackend, CpuKernelBackend, "triton"])
 @pytest.mark.parametrize("window, softcap", [(5, None), (None, 2.0), (5, 2.0)])
 def test_windowed_attention_matches_transformers_eager(backend_cls, window, softcap, monkeypatch) -> None:
     """Request A extends 12 tokens on a 30-token cached prefix while B prefills 20 afresh, in query blocks of 8;
@@ -158,6 +160,13 @@ def test_windowed_attention_matches_transformers_eager(backend_cls, window, soft
     pool = KVPool(128, 1, 1, HK, D, torch.float32)
     if backend_cls is CpuKernelBackend and not has_cpu_decode_attention(pool.k[0]):
         pytest.skip("Kiln's CPU decode kernel is not built here")
+    if backend_cls == "triton":  # its decode kernel takes the window (softcapped scores go to the torch path)
+        from kiln.layers import triton_attention
+        from kiln.runner.attention.triton_backend import TritonBackend
+
+        if not triton_attention.available():
+            pytest.skip("Triton is not installed")
+        backend_cls = TritonBackend
     backend, scale = backend_cls(pool, HQ), 0.3
     lens, prefixes = {"a": 43, "b": 21}, {"a": 30, "b": 0}
     slots = {"a": torch.arange(1, 44), "b": torch.arange(60, 81)}
@@ -222,16 +231,61 @@ def test_plan_serves_the_window_over_a_longer_context(kind: str, capsys, model_d
 
 
 @pytest.mark.unit
-def test_a_window_kiln_does_not_mask_is_still_refused(model_dir) -> None:
-    from transformers import MistralConfig
+def test_each_family_windows_the_layers_transformers_does() -> None:
+    """Mistral and Qwen3-MoE window every layer, Qwen2 those past max_window_layers and only with
+    use_sliding_window, Llama none whatever its config holds: as transformers' attention of each applies
+    sliding_window (kiln.models.llama.layer_windows)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
 
-    from kiln.loader.model_config import read_hf_config
-    from kiln.models.config import ModelConfig
-    from kiln.models.registry import check_model_config
+    from kiln.models.llama import layer_windows
+    from kiln.models.registry import MODELS
 
-    shape = {k: v for k, v in _SHAPE.items() if k != "query_pre_attn_scalar"}
-    config = MistralConfig(**shape, vocab_size=320)
-    config.architectures = ["MistralForCausalLM"]
-    path = model_dir(config.to_dict(), "mistral")
-    with pytest.raises(ValueError, match=f"sliding_window {WINDOW} is not implemented by Kiln"):
-        check_model_config(ModelConfig.from_hf_dict(path, read_hf_config(path)), 4096)
+    shape = dict(num_hidden_layers=4, sliding_window=WINDOW)
+    cases = [
+        (MistralConfig(**shape), "MistralForCausalLM", [WINDOW] * 4),
+        (Qwen3MoeConfig(**shape, use_sliding_window=True), "Qwen3MoeForCausalLM", [WINDOW] * 4),
+        (Qwen3MoeConfig(**shape), "Qwen3MoeForCausalLM", [None] * 4),
+        (
+            Qwen2Config(**shape, use_sliding_window=True, max_window_layers=2),
+            "Qwen2ForCausalLM",
+            [None] * 2 + [WINDOW] * 2,
+        ),
+        (Qwen2Config(**shape, max_window_layers=2), "Qwen2ForCausalLM", [None] * 4),
+        (LlamaConfig(num_hidden_layers=4), "LlamaForCausalLM", [None] * 4),
+    ]
+    for config, arch, want in cases:
+        config.sliding_window = getattr(config, "sliding_window", None)  # Llama's config has none
+        assert layer_windows(config, MODELS[arch].windowed) == want, arch
+    llama = LlamaConfig(num_hidden_layers=4)
+    llama.sliding_window = WINDOW  # a stray field transformers' Llama ignores
+    assert layer_windows(llama, MODELS["LlamaForCausalLM"].windowed) == [None] * 4
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 from 4B up ships as Gemma3ForConditionalGeneration (its language model under language_model.*
+    beside a vision tower): Kiln serves the text, token-identical to transformers' whole model on text prompts."""
+    from test_correctness import hf_greedy, make_prompt, token_stream
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {k: v for k, v in TINY_GEMMA3.items() if k != "rope_parameters"}
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28
+    )
+    model, tok = random_model(
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        0,
+        text_config=text,
+        vision_config={**vision, "patch_size": 14},
+    )
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    stream = token_stream()
+    prompts = [make_prompt(stream, n, 5 * n) for n in (9, 40, 77)]
+    want = [hf_greedy(model.eval(), p, 8, set())[0] for p in prompts]
+    eng = kiln.Engine(model_path=str(tmp_path), max_total_tokens=2048, num_threads=1, disable_cuda_graph=True)
+    try:
+        assert type(eng.scheduler.runner.model).__name__ == "Gemma3ForConditionalGeneration"
+        assert ids_of(generate(eng, prompts, ignore_eos=True)) == want
+    finally:
+        eng.shutdown()

@@ -244,7 +244,9 @@ def test_a_match_counts_the_host_tier_and_moves_nothing(tmp_path: Path) -> None:
     state = [(n.value is None, n.host_value is not None, len(n.key), n.last_access_time) for n in nodes]
     assert h.cache.match_prefix(key) == 16 and h.cache.match_prefix(key[:10] + [0] * 6) == 10
     assert h.cache.host_hit_tokens == 0 and h.cache.storage.hit_tokens == 0 and h.cache.total_size() == 0
-    assert [(n.value is None, n.host_value is not None, len(n.key), n.last_access_time) for n in nodes] == state
+    assert [
+        (n.value is None, n.host_value is not None, len(n.key), n.last_access_time) for n in nodes
+    ] == state
     assert list(h.cache._iter_nodes()) == nodes
     assert h.cache.acquire_prefix(key).indices.numel() == 16 and h.cache.host_hit_tokens == 16
 

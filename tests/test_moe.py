@@ -173,7 +173,9 @@ def test_rope_without_a_static_table_is_refused(rope_type: str) -> None:
 
 
 @pytest.mark.unit
-def test_a_sliding_window_is_refused_over_a_longer_context() -> None:
+def test_a_sliding_window_is_every_layers_with_use_sliding_window() -> None:
+    """transformers' Qwen3-MoE windows every layer when use_sliding_window is set (its config clears the window
+    otherwise): Kiln's layers and its spec say so, and serve it (every layer windowed: the token pool keeps them)."""
     from kiln.models.config import ModelConfig
     from kiln.models.registry import check_model_config
 
@@ -182,11 +184,10 @@ def test_a_sliding_window_is_refused_over_a_longer_context() -> None:
                 "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128}  # fmt: skip
         return ModelConfig.from_hf_dict("m", {**base, **changes})
 
-    check_model_config(config(sliding_window=128), 4096)  # the window is off without use_sliding_window
-    windowed = config(use_sliding_window=True, sliding_window=128)
-    with pytest.raises(ValueError, match="sliding_window 128 .* --context-length 128 or less"):
-        check_model_config(windowed, 4096)
-    check_model_config(windowed, 128)  # no sequence is longer than the window: it changes nothing
+    plain, windowed = config(sliding_window=128), config(use_sliding_window=True, sliding_window=128)
+    assert [layer.window for layer in plain.spec.layers] == [None, None]
+    assert [layer.window for layer in windowed.spec.layers] == [128, 128] and not windowed.spec.window_rings
+    check_model_config(windowed)
 
 
 @pytest.mark.unit

@@ -270,9 +270,6 @@ def test_the_models_longest_context_follows_its_rope_scaling_as_sglang_derives_i
         ),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by Kiln (accepted: silu)"),
         ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
-        # a window transformers applies and Kiln does not, over a context longer than it
-        (MISTRAL_WINDOW, "sliding_window 128 is not implemented by Kiln"),
-        (QWEN2_WINDOW, "sliding_window 128 is not implemented by Kiln"),
         ({**DEEPSEEK, "scoring_func": "foo"}, "scoring_func 'foo' is not implemented by Kiln"),
         ({**DEEPSEEK, "n_group": 3}, "n_group 3 does not divide 8 experts"),
         ({**DEEPSEEK, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -325,19 +322,11 @@ def test_plan_refuses_a_speculative_setup_serve_would_refuse(
     assert draft != "missing" or "--model-path" not in err  # the flag that gave the path, not the target's
 
 
-def test_a_sliding_window_is_served_over_a_context_it_cannot_change(capsys, model_dir):
-    """A sequence no longer than the window attends to the same keys with and without it: the refusal's fix."""
-    rc, _, err = run_plan(capsys, ["--model-path", model_dir({**TINY, **MISTRAL_WINDOW}), "--device", "cpu"])
-    assert rc == 2 and "serve it with --context-length 128 or less" in err and "context is 512 tokens" in err
-    argv = [
-        "--model-path",
-        model_dir({**TINY, **MISTRAL_WINDOW}),
-        "--device",
-        "cpu",
-        "--context-length",
-        "128",
-    ]
-    assert run_plan(capsys, argv)[0] == 0
+@pytest.mark.parametrize("window", [MISTRAL_WINDOW, QWEN2_WINDOW])
+def test_a_sliding_window_is_served_over_a_context_past_it(capsys, model_dir, window):
+    """Kiln masks the windowed layers as transformers does (kiln.models.llama.layer_windows): no refusal."""
+    rc, out, _ = run_plan(capsys, ["--model-path", model_dir({**TINY, **window}), "--device", "cpu"])
+    assert rc == 0 and "context_len=512" in out
 
 
 def test_bad_model_paths_exit_2(capsys, tmp_path):

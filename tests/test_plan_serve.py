@@ -130,6 +130,7 @@ def same_ledger(capsys, argv: list[str]) -> dict:
     rc, planned = plan_json(capsys, argv)
     verdict = planned.pop("verdict")
     planned.pop("platform")
+    assert planned.pop("is_embedding") is serve_args(argv).is_embedding  # the plan's, beside the ledger
     served = plan_ledger(serve_args(argv)).ledger
     assert planned == json.loads(json.dumps(served.to_dict()))
     assert rc == (0 if served.fits else 1) and verdict == ("fits" if served.fits else "does_not_fit")

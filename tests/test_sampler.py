@@ -115,6 +115,16 @@ def test_tiny_top_p_and_full_min_p_give_argmax():
     assert sample(logits, [row(i, min_p=1.0) for i in range(16)]).next_token_ids == expected
 
 
+def test_a_temperature_below_sglangs_epsilon_is_greedy():
+    """4.2e-153 (found by the OpenAPI fuzzing) divided the logits into inf and sampled NaN: as SGLang, a
+    temperature below 1e-6 decodes greedily."""
+    logits = rand_logits(16, seed=7)
+    expected = torch.argmax(logits, -1).tolist()
+    for temperature in (4.2e-153, 1e-7):
+        assert sample(logits, [row(i, temperature=temperature) for i in range(16)]).next_token_ids == expected
+    assert not SamplingParams(temperature=1e-6).is_greedy
+
+
 def test_top_k_restricts_to_k_best():
     logits = rand_logits(1, seed=3).expand(300, -1).contiguous()
     gen = torch.Generator().manual_seed(0)

@@ -60,13 +60,15 @@ class FakeEngineClient:
         self.num_active = 0
         self.last_output_time = 0.0
 
-    async def generate(self, input_ids, params, stream=False, rid=None, deadline=None, observe=True):
+    async def generate(
+        self, input_ids, params, stream=False, rid=None, deadline=None, observe=True, pool=None
+    ):
         if self.hang:
             await asyncio.sleep(3600)
         for out in self.script:
             yield out
 
-    async def collect(self, input_ids, params, rid=None, deadline=None) -> OutputAccumulator:
+    async def collect(self, input_ids, params, rid=None, deadline=None, pool=None) -> OutputAccumulator:
         result = OutputAccumulator()
         async for out in self.generate(input_ids, params):
             result.add(out)
@@ -344,7 +346,7 @@ def test_sglang_bench_generate_payload_and_refusals(server):
     r = post(server, GEN, body)
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 4
-    for field, value in [("lora_path", "adapter"), ("image_data", "x.png"), ("logprob_start_len", 0)]:
+    for field, value in [("lora_path", "adapter"), ("image_data", "x.png")]:
         error = refused(post(server, GEN, {**body, field: value}), field)
         assert "Kiln" in error["message"]
 
@@ -364,7 +366,9 @@ def test_generate_logprob_triples_with_text(server):
     assert [entry[1] for entry in meta["output_token_logprobs"]] == out["output_ids"]
     assert "".join(entry[2] for entry in meta["output_token_logprobs"]) == out["text"]
     assert all(len(top) == 2 and len(top[0]) == 3 for top in meta["output_top_logprobs"])
-    assert meta["input_token_logprobs"] == []
+    # SGLang's default logprob_start_len (-1): the prompt's last token alone, its logprob null
+    (last,) = meta["input_token_logprobs"]
+    assert last[0] is None and isinstance(last[1], int) and meta["input_top_logprobs"] == [None]
     plain = post(server, GEN, {**body, "return_text_in_logprobs": False}).json()["meta_info"]
     assert all(entry[2] is None for entry in plain["output_token_logprobs"])
 
@@ -380,7 +384,8 @@ def test_openai_extension_fields_echo_and_suffix(server, client, model):
     assert echoed.choices[0].text == "The capital of France is" + plain.choices[0].text
     stream = client.completions.create(model=model, prompt="Hello", echo=True, stream=True, **greedy)
     assert "".join(c.choices[0].text for c in stream if c.choices).startswith("Hello")
-    refused(post(server, CMPL, {"prompt": "Hi", "echo": True, "logprobs": 1}), "echo")
+    echo_lp = post(server, CMPL, {"prompt": "Hi", "echo": True, "logprobs": 1, "max_tokens": 1}).json()
+    assert echo_lp["choices"][0]["logprobs"]["token_logprobs"][0] is None  # the prompt's first token
     refused(post(server, CMPL, {"prompt": "Hi", "suffix": "end"}), "suffix")
     refused(post(server, CMPL, {"prompt": "Hi", "no_such_field": 1}), "no_such_field")
 

@@ -88,6 +88,35 @@ def test_decode_mask_holes_and_no_mask():
         )
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.unit
+def test_decode_with_a_window_and_sinks_matches_the_torch_path(splits):
+    """A sliding window (each row's last 7 valid slots, the mask narrowed as kiln.runner.attention.windowed
+    does) and a sink logit per query head joined in the merge of the splits: the torch path's output
+    (windowed.attend), and all zeros where a row has no slot but its sink."""
+    from kiln.runner.attention.windowed import attend
+
+    k_cache, v_cache = pool(200, 2, 16)
+    lens, window = [1, 37, 90, 0], 7
+    table = torch.zeros(len(lens), 100, dtype=torch.int64)
+    mask = torch.zeros(len(lens), 100, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        table[b, :n] = torch.arange(1, n + 1) + b
+        mask[b, max(0, n - window) : n] = True
+    table, mask = table.to(DEVICE), mask.to(DEVICE)
+    q, sinks = torch.randn(len(lens), 6, 16, device=DEVICE), torch.randn(6, device=DEVICE) * 2
+    ends = triton_attention.row_ends(mask)
+    got = triton_attention.decode_attention(
+        q, k_cache, v_cache, table, mask, 0.25, splits, ends=ends, sinks=sinks
+    )
+    k, v = k_cache[table].transpose(1, 2), v_cache[table].transpose(1, 2)  # [B, Hk, L, D]
+    want = attend(q.unsqueeze(2), k, v, mask[:, None], 0.25, None, sinks).squeeze(2)
+    torch.testing.assert_close(got[:3], want[:3], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    plain = triton_attention.decode_attention(q, k_cache, v_cache, table, mask, 0.25, splits, ends=ends)
+    assert not torch.allclose(got[:3], plain[:3], atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hk", [(8, 2), (34, 2)], ids=["group-4", "group-17"])
 @pytest.mark.unit
@@ -117,25 +146,37 @@ def test_decode_reads_a_bfloat16_pool_in_float32():
     )
 
 
-def reference_extend(q, k, v, k_cache, v_cache, prefixes, ext_lens, scale):
+def reference_extend(q, k, v, k_cache, v_cache, prefixes, ext_lens, scale, window=None, sinks=None):
+    """Each request's rows over its prefix and its own tokens, causally (and within `window`), in float32: a
+    softmax whose every row has one more logit, its head's sink, where `sinks` are given."""
     out, row = torch.empty_like(q), 0
     group = q.shape[1] // k.shape[1]
     for slots, n in zip(prefixes, ext_lens):
         kk = torch.cat([k_cache[slots], k[row : row + n]]).repeat_interleave(group, 1).transpose(0, 1)
         vv = torch.cat([v_cache[slots], v[row : row + n]]).repeat_interleave(group, 1).transpose(0, 1)
         p = len(slots)
-        allowed = (
-            torch.arange(p + n, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + p
+        keys, queries = (
+            torch.arange(p + n, device=q.device)[None, :],
+            torch.arange(n, device=q.device)[:, None] + p,
         )
-        o = F.scaled_dot_product_attention(
-            q[row : row + n].transpose(0, 1), kk, vv, attn_mask=allowed, scale=scale
+        allowed = (keys <= queries) & (keys > queries - window if window else True)
+        scores = (q[row : row + n].transpose(0, 1) @ kk.transpose(1, 2) * scale).masked_fill(
+            ~allowed, -torch.inf
         )
-        out[row : row + n] = o.transpose(0, 1)
+        if sinks is not None:
+            sink = sinks.view(-1, 1, 1).expand(-1, n, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[row : row + n] = (probs @ vv).transpose(0, 1)
         row += n
     return out
 
 
-def run_extend(hq, hk, dim, prefix_lens, ext_lens, dtype=torch.float32, pool_dtype=None, gpu_tiles=False):
+def run_extend(
+    hq, hk, dim, prefix_lens, ext_lens, dtype=torch.float32, pool_dtype=None, gpu_tiles=False, window=None,
+    sinks=None,
+):  # fmt: skip
     """Requests with cached prefixes of prefix_lens slots (random slots of a pool) and ext_lens new tokens each,
     in one launch -> (the kernel's output, torch's in float32 over the same values). gpu_tiles: the tiles a GPU
     launches half precision with, whatever the dtype and the device."""
@@ -154,10 +195,10 @@ def run_extend(hq, hk, dim, prefix_lens, ext_lens, dtype=torch.float32, pool_dty
     got = triton_attention.extend_attention(
         q, k, v, k_cache, v_cache, torch.cat(prefixes), ints(list(accumulate(prefix_lens, initial=0))[:-1]),
         ints(prefix_lens), ints(list(accumulate(ext_lens, initial=0))[:-1]), ints(ext_lens), max(ext_lens), 0.3,
-        plan=plan,
+        plan=plan, window=window, sinks=sinks,
     )  # fmt: skip
     f32 = [x.float() for x in (q, k, v, k_cache, v_cache)]
-    return got, reference_extend(*f32, prefixes, ext_lens, 0.3)
+    return got, reference_extend(*f32, prefixes, ext_lens, 0.3, window, sinks)
 
 
 @pytest.mark.parametrize("gpu_tiles", [False, True], ids=["own-tiles", "gpu-half-tiles"])
@@ -168,6 +209,18 @@ def test_extend_over_cached_prefixes_and_fresh_prompts(hq, hk, dim, gpu_tiles):
     one token on a 3-slot prefix; float32 is exact to float32's rounding, with either tile shape."""
     got, want = run_extend(hq, hk, dim, [0, 50, 3], [140, 7, 1], gpu_tiles=gpu_tiles)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window, with_sinks", [(9, False), (None, True), (40, True)])
+@pytest.mark.unit
+def test_extend_with_a_window_and_sinks(window, with_sinks):
+    """A sliding window that reaches into the cached prefix (or not past the new tokens) and a sink logit per
+    query head: float32 is exact to float32's rounding against the masked softmax with its extra logit."""
+    sinks = torch.randn(4, device=DEVICE) * 2 if with_sinks else None
+    got, want = run_extend(4, 2, 16, [0, 50, 3], [140, 7, 1], window=window, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain, _ = run_extend(4, 2, 16, [0, 50, 3], [140, 7, 1])
+    assert not torch.allclose(got, plain, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -100,6 +100,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64 KV slots the new tokens are written to
     logits_index: torch.Tensor | None  # rows of the hidden states whose logits are wanted (None: all)
+    # EXTEND: rows whose normed hidden states the model keeps (`prompt_hidden`) for prompt logprobs, whose logits
+    # are computed afterwards a chunk at a time (None: none)
+    hidden_index: torch.Tensor | None = None
     # EXTEND: per request, the extend length, the prefix length and the slots of the whole sequence
     extend_lens: list[int] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
@@ -132,6 +135,7 @@ class ForwardBatch:
             positions=move(self.positions),
             out_cache_loc=move(self.out_cache_loc),
             logits_index=move(self.logits_index),
+            hidden_index=move(self.hidden_index),
             seq_slots=[move(t) for t in self.seq_slots],
             kv_table=move(self.kv_table),
             kv_mask=move(self.kv_mask),

@@ -19,6 +19,9 @@ CPU_PREFILL_GRAPH_MAX_TOKENS = 0
 # CUDA decode graphs gather every request's KV over a static table width; longer sequences run eagerly. The
 # gathered K and V take bs x width x kv heads x head dim x 2 x dtype bytes per layer inside the graph pool.
 CUDA_GRAPH_KV_WIDTH = 2048
+# rows of logits prompt logprobs compute at a time (kiln.runner.prompt_logprobs), which the ledger reserves for:
+# 512 x 150k float32 is 300 MiB, and the GEMM stays efficient
+PROMPT_LOGPROB_ROWS = 512
 
 
 def decode_graph_batch_sizes(max_bs: int) -> list[int]:

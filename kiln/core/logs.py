@@ -15,3 +15,6 @@ def configure_logging(level: str = "info", tag: str = "") -> None:
     logging.basicConfig(
         level=level.upper(), format=f"[%(asctime)s{tag}] %(message)s", datefmt="%Y-%m-%d %H:%M:%S", force=True
     )
+    # huggingface_hub's HTTP client logs each request at info: a model id's download would be dozens of lines
+    for client in ("httpx", "httpx2"):
+        logging.getLogger(client).setLevel(logging.DEBUG if level.upper() == "DEBUG" else logging.WARNING)

@@ -29,3 +29,12 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_pytorch_tanh(gate) * up, as transformers' GELUTanh computes it."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's experts: (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at `limit` and up to
+    [-limit, limit] (transformers' GptOssExperts._apply_gate, whose gate and up interleave; here they are the
+    halves, as the loader stores them)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -284,6 +284,14 @@ def has_cpu_decode_attention(k_cache: torch.Tensor) -> bool:
     )
 
 
+def cpu_decode_attention_sinks(
+    q, k_cache, v_cache, table, mask, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Kiln's decode attention with a sink logit per query head in every row's softmax (GPT-OSS), eagerly: a
+    compiled step attends to sinks in torch ops (kiln.runner.attention.windowed)."""
+    return blocked_kernel().decode_attention(q, k_cache, v_cache, table, mask, scale, 0, sinks)
+
+
 def cpu_decode_attention():
     """Kiln's decode attention over the KV pool: the opaque op inside a compiled step, the kernel itself eagerly."""
     return torch.ops.kiln.decode_attention if torch.compiler.is_compiling() else _decode_attention

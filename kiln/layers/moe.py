@@ -12,7 +12,7 @@ near miss would give plausible but wrong text."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,8 @@ class RouterSpec:
     # DeepSeek computes the router logits in float32 and keeps the routing weights there; Qwen-MoE computes them
     # in the model's dtype and casts the weights back to it
     float32_routing: bool = False
+    # GPT-OSS's router is a linear layer with a bias
+    logit_bias: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("scoring_func", self.scoring_func, SCORING_FUNCS)
@@ -183,14 +185,18 @@ class TopKRouter(nn.Module):
         if spec.topk_method == "noaux_tc":  # float32 as in the checkpoint: it only ranks, and ranks finely
             bias = torch.empty(spec.num_experts, dtype=torch.float32)
             self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+        self.bias: nn.Parameter | None = None
+        if spec.logit_bias:
+            self.bias = nn.Parameter(torch.empty(spec.num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, hidden] -> (weights [T, k], expert ids [T, k])."""
         spec = self.spec
         if spec.float32_routing:
-            logits = F.linear(x.float(), self.weight.float())
+            bias = None if self.bias is None else self.bias.float()
+            logits = F.linear(x.float(), self.weight.float(), bias)
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, self.bias)
         if spec.scoring_func == "softmax":
             scores = logits.softmax(dim=-1, dtype=torch.float32)
         else:
@@ -240,9 +246,19 @@ class FusedMoE(nn.Module):
     fp8_weight_names = ("gate_up_proj", "down_proj")  # kept in FP8 blocks for an FP8 checkpoint
     fp8_block: tuple[int, int] | None = None  # set when they are (kiln.layers.fp8_linear)
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        bias: bool = False,
+        activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    ):
+        """bias: each expert's projections have biases (GPT-OSS's); activation: [.., 2 I] (gate, then up) ->
+        [.., I], the gated activation between the projections."""
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.activation = activation
         ep_rank, ep, self.tp_rank, self.tp_size = expert_split(tp_rank(), tp_size(), ep_size())
         self.local_experts = divide(num_experts, ep)
         self.first_expert = ep_rank * self.local_experts
@@ -252,6 +268,13 @@ class FusedMoE(nn.Module):
         )
         self.down_proj = _stacked_param((self.local_experts, hidden, self.per_rank), self.weight_loader)
         self.loaded_shards: set[tuple[int, str]] = set()
+        self.gate_up_bias: nn.Parameter | None = None
+        self.down_bias: nn.Parameter | None = None
+        if (
+            bias
+        ):  # every rank holds the down bias; the first of an expert's slices adds it (the all-reduce sums)
+            self.gate_up_bias = _stacked_param((self.local_experts, 2 * self.per_rank), self.bias_loader)
+            self.down_bias = _stacked_param((self.local_experts, hidden), self.bias_loader)
 
     def _local(self, expert: int) -> int | None:
         """The expert's index among this rank's, None when another rank holds it."""
@@ -304,6 +327,24 @@ class FusedMoE(nn.Module):
             parts = ("down",)
         self.loaded_shards.update((expert, part) for expert in range(e) for part in parts)
 
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
+        """Every expert's biases in one tensor: gate_up [E, 2I] (gate, then up) or down [E, H]."""
+        e, i, n = self.num_experts, self.intermediate, self.per_rank
+        start, mine = self.tp_rank * n, slice(self.first_expert, self.first_expert + self.local_experts)
+        if param is self.gate_up_bias:
+            _check_shape(loaded, (e, 2 * i), "experts' gate_up bias")
+            param.data[:, :n].copy_(loaded[mine, start : start + n])
+            param.data[:, n:].copy_(loaded[mine, i + start : i + start + n])
+        else:
+            _check_shape(loaded, (e, self.hidden), "experts' down bias")
+            param.data.copy_(loaded[mine])
+
+    def _down_bias(self, expert: int | torch.Tensor) -> torch.Tensor | None:
+        """The down projection's bias of `expert` (ids: one row each), on the rank holding its first slice."""
+        if self.down_bias is None or self.tp_rank != 0:
+            return None
+        return self.down_bias[expert]
+
     def missing_shards(self) -> list[tuple[int, str]]:
         return [
             (e, p) for e in range(self.num_experts) for p in EXPERT_PARTS if (e, p) not in self.loaded_shards
@@ -335,8 +376,11 @@ class FusedMoE(nn.Module):
         for expert, count in enumerate(counts[: self.local_experts]):
             if count:
                 end = start + count
-                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert])
-                out[start:end] = F.linear(silu_and_mul(gate_up), self.down_proj[expert])
+                bias = None if self.gate_up_bias is None else self.gate_up_bias[expert]
+                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert], bias)
+                out[start:end] = F.linear(
+                    self.activation(gate_up), self.down_proj[expert], self._down_bias(expert)
+                )
                 start = end
         return out
 
@@ -345,10 +389,12 @@ class FusedMoE(nn.Module):
         blocks of rows laid out on the device, so it neither syncs nor breaks a CUDA graph."""
         from kiln.layers.triton_fp8 import fp8_grouped_linear, group_rows  # Triton, only where FP8 is kept
 
+        if self.gate_up_bias is not None:
+            raise ValueError("experts with biases in FP8 blocks are not implemented by Kiln")
         block, groups = self.fp8_block, group_rows(sorted_ids, self.local_experts, rows)
         gate_up = fp8_grouped_linear(rows, self.gate_up_proj, self.gate_up_proj_scale_inv, block, groups)
         return fp8_grouped_linear(
-            silu_and_mul(gate_up), self.down_proj, self.down_proj_scale_inv, block, groups
+            self.activation(gate_up), self.down_proj, self.down_proj_scale_inv, block, groups
         )
 
     def _grouped_mm(self, rows: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
@@ -360,8 +406,14 @@ class FusedMoE(nn.Module):
         )
         offsets = counts[: self.local_experts].cumsum(0, dtype=torch.int32)
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets)
-        out = torch._grouped_mm(silu_and_mul(gate_up), self.down_proj.transpose(1, 2), offs=offsets)
-        return out.masked_fill((flat_ids.sort().values >= self.local_experts).unsqueeze(1), 0)
+        sorted_ids = flat_ids.sort().values
+        owned = sorted_ids.clamp(max=self.local_experts - 1)  # other ranks' rows are zeroed below
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[owned]
+        out = torch._grouped_mm(self.activation(gate_up), self.down_proj.transpose(1, 2), offs=offsets)
+        down_bias = self._down_bias(owned)
+        out = out if down_bias is None else out + down_bias
+        return out.masked_fill((sorted_ids >= self.local_experts).unsqueeze(1), 0)
 
 
 def _check_shape(loaded: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
@@ -385,10 +437,13 @@ class SparseMoeBlock(nn.Module):
     """HF's mlp.gate (router), mlp.experts and, where the config has them, mlp.shared_experts (Qwen3-Next's
     mlp.shared_expert loads there too) and mlp.shared_expert_gate."""
 
-    def __init__(self, spec: MoESpec):
+    def __init__(self, spec: MoESpec, experts: FusedMoE | None = None):
+        """experts: a family's own (GPT-OSS's have biases and another activation); by default the spec's."""
         super().__init__()
         self.gate = TopKRouter(spec.router, spec.hidden_size)
-        self.experts = FusedMoE(spec.router.num_experts, spec.hidden_size, spec.expert_intermediate_size)
+        self.experts = experts or FusedMoE(
+            spec.router.num_experts, spec.hidden_size, spec.expert_intermediate_size
+        )
         self.shared_experts = (
             GatedMLP(spec.hidden_size, spec.shared_intermediate_size)
             if spec.shared_intermediate_size

@@ -116,8 +116,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_merge_kernel(
-        MidO, MidLse, Out, stride_ob, stride_oh,
+        MidO, MidLse, Out, Sinks, stride_ob, stride_oh,
         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -126,22 +127,27 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         lse = tl.load(MidLse + row0 + s, mask=s < SPLITS, other=-float("inf"))
         top = tl.max(lse, 0)
+        if HAS_SINKS:  # the head's sink logit joins the softmax as one more split holding no value
+            sink = tl.load(Sinks + h).to(tl.float32)
+            top = tl.maximum(top, sink)
         top = tl.where(top == -float("inf"), 0.0, top)
         w = tl.exp(lse - top)
         parts = tl.load(
             MidO + (row0 + s[:, None]) * BLOCK_D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0
         )
         total = tl.sum(w, 0)
+        if HAS_SINKS:
+            total += tl.exp(sink - top)
         out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
         tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _extend_kernel(
-        Q, Knew, Vnew, Out, K, V, PrefixSlots, PrefixStart, PrefixLen, ExtStart, ExtLen, scale,
+        Q, Knew, Vnew, Out, K, V, PrefixSlots, PrefixStart, PrefixLen, ExtStart, ExtLen, Sinks, scale, window,
         stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
         stride_ks, stride_kh, stride_vs, stride_vh,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -168,26 +174,35 @@ if triton is not None:
         top = tl.full([BLOCK_M], -float("inf"), tl.float32)
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # the cached prefix, through its slots in the pool: every new token sees all of it
+        # the cached prefix, through its slots in the pool: every new token sees all of it, or with a sliding
+        # window the keys less than `window` positions before it (its own position is prefix + m)
         for n0 in range(0, prefix, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nvalid = n < prefix
+            keep = nvalid[None, :]
+            if HAS_WINDOW:
+                keep = keep & (n[None, :] > prefix + m[:, None] - window)
             slot = tl.load(PrefixSlots + slots0 + n, mask=nvalid, other=0)
             top, total, acc = _attend(
                 q, K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                 V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                nvalid, nvalid[None, :], dmask, scale, top, total, acc, DOT,
+                nvalid, keep, dmask, scale, top, total, acc, DOT,
             )  # fmt: skip
         # the request's own new tokens, causally, as computed (the pool's rounding is for later steps)
         for n0 in range(0, (blk + 1) * BLOCK_M, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nvalid = n < ext
+            keep = nvalid[None, :] & (n[None, :] <= m[:, None])
+            if HAS_WINDOW:
+                keep = keep & (n[None, :] > m[:, None] - window)
             rows = first + n
             top, total, acc = _attend(
                 q, Knew + rows[:, None] * stride_knt + kvh * stride_knh + d[None, :],
                 Vnew + rows[:, None] * stride_vnt + kvh * stride_vnh + d[None, :],
-                nvalid, nvalid[None, :] & (n[None, :] <= m[:, None]), dmask, scale, top, total, acc, DOT,
+                nvalid, keep, dmask, scale, top, total, acc, DOT,
             )  # fmt: skip
+        if HAS_SINKS:  # the head's sink logit in each row's softmax, holding no value (every row sees itself)
+            total += tl.exp(tl.load(Sinks + h).to(tl.float32) - top)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
             Out + (first + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -253,10 +268,12 @@ def decode_attention(
     splits: int,
     dot: torch.dtype | None = None,
     ends: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] over each row's KV slots `table` [B, L] (valid where `mask` [B, L], all when None) in the pool
     k_cache / v_cache [S, Hk, D] -> [B, Hq, D] in q's dtype. `dot` overrides dot_dtype's choice. `ends` (row_ends
-    of the mask) bounds each row's chunks by its columns in use rather than by L."""
+    of the mask) bounds each row's chunks by its columns in use rather than by L. `sinks` [Hq]: a logit per query
+    head in every row's softmax whose share goes to no slot (GPT-OSS); a sliding window is the mask's."""
     b, hq, dim = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -275,8 +292,8 @@ def decode_attention(
         HAS_ENDS=ends is not None, DOT=tl_dtype(dot or dot_dtype(q.dtype, q.is_cuda)),
     )  # fmt: skip
     _decode_merge_kernel[(b, hq)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1),
-        D=dim, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=_pow2(splits),
+        mid_o, mid_lse, out, sinks if sinks is not None else mid_lse, out.stride(0), out.stride(1),
+        D=dim, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=_pow2(splits), HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out
 
@@ -336,10 +353,14 @@ def extend_attention(
     max_ext: int,
     scale: float,
     plan: ExtendPlan | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each request's new tokens (rows ext_start[r] .. + ext_lens[r] of q [T, Hq, D], k, v [T, Hk, D]) over its
     cached prefix (pool slots prefix_slots[prefix_start[r] .. + prefix_lens[r]]) and themselves, causally ->
-    [T, Hq, D] in q's dtype. `plan` overrides extend_plan's (tests run the GPU's tiles in the interpreter)."""
+    [T, Hq, D] in q's dtype. `plan` overrides extend_plan's (tests run the GPU's tiles in the interpreter).
+    `window`: each token sees its last `window` keys, itself included; `sinks` [Hq]: a logit per query head in
+    every row's softmax whose share goes to no key."""
     t, hq, dim = q.shape
     out = torch.empty_like(q)
     if t == 0:
@@ -347,10 +368,12 @@ def extend_attention(
     plan = plan or extend_plan(q.dtype, dim, _capability(q.device.index or 0) if q.is_cuda else None)
     grid = (ext_lens.shape[0], hq, -(-max_ext // plan.block_m))
     _extend_kernel[grid](
-        q, k, v, out, k_cache, v_cache, prefix_slots, prefix_start, prefix_lens, ext_start, ext_lens, scale,
+        q, k, v, out, k_cache, v_cache, prefix_slots, prefix_start, prefix_lens, ext_start, ext_lens,
+        sinks if sinks is not None else prefix_start, scale, window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=hq // k.shape[1], D=dim, BLOCK_D=_pow2(dim), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        DOT=tl_dtype(plan.dot), num_warps=plan.warps, num_stages=1,
+        DOT=tl_dtype(plan.dot), HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+        num_warps=plan.warps, num_stages=1,
     )  # fmt: skip
     return out

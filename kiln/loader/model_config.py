@@ -1,6 +1,6 @@
 """The one way from a --model-path to a model config: an HF model directory, its config.json, a .gguf file, a
-directory holding exactly one .gguf file, or a Hugging Face model id already in the local hub cache. Reads
-metadata only, never weights, and never downloads."""
+directory holding exactly one .gguf file, or a Hugging Face model id (its config and tokenizer files fetched
+into the hub cache: kiln.loader.hub). Reads metadata only, never weights."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+from kiln.loader import compressed, packed_int
 from kiln.models.config import ModelConfig, model_spec
 from kiln.models.spec import ModelSpec
 
@@ -25,23 +26,16 @@ def is_hub_id(model_path: str) -> bool:
 DRAFT_MODEL_FLAG = "--speculative-draft-model-path"
 
 
-def hub_snapshot(model_id: str, revision: str | None = None, flag: str = "--model-path") -> str:
-    """The local snapshot directory of a Hugging Face model id in the hub cache (HF_HUB_CACHE, else HF_HOME/hub,
-    as huggingface_hub reads them), at `revision` (a branch, tag or commit; default main). Offline by design:
-    Kiln never downloads (a server start should not depend on the hub), so a miss is a ValueError naming the id
-    and the cache directory."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+def hub_snapshot(
+    model_id: str, revision: str | None = None, flag: str = "--model-path", download_dir: str | None = None
+) -> str:
+    """The snapshot directory of a Hugging Face model id at `revision` (a branch, tag or commit; default main) in
+    the hub cache (`download_dir`, else HF_HUB_CACHE or HF_HOME/hub), holding its config and tokenizer files,
+    fetched when not cached; its weights are the server's to download (kiln.loader.hub). A ValueError names the
+    id and the fix."""
+    from kiln.loader.hub import fetch_metadata
 
-    shown = model_id + (f"@{revision}" if revision else "")
-    try:
-        return snapshot_download(model_id, revision=revision, local_files_only=True)
-    except (LocalEntryNotFoundError, IncompleteSnapshotError, ValueError) as e:
-        raise ValueError(
-            f"{flag} {shown}: no local path, and not in the Hugging Face hub cache {constants.HF_HUB_CACHE} "
-            f"({type(e).__name__}). Kiln never downloads: fetch it where the hub is reachable (`hf download "
-            f"{model_id}`) and point HF_HUB_CACHE or HF_HOME at that cache, or give a local directory"
-        ) from e
+    return fetch_metadata(model_id, revision, download_dir, flag)
 
 
 def resolve_model_path(model_path: str, revision: str | None = None, flag: str = "--model-path") -> str:
@@ -101,4 +95,14 @@ def load_model_config(
 ) -> ModelConfig:
     """The ModelConfig of a model path, its weights' path resolved (see resolve_model_path)."""
     resolved = resolve_model_path(model_path, revision, flag)
-    return ModelConfig.from_hf_dict(resolved, read_hf_config(resolved, flag=flag))
+    hf_config = read_hf_config(resolved, flag=flag)
+    check_quantization(hf_config.get("quantization_config"))
+    return ModelConfig.from_hf_dict(resolved, hf_config)
+
+
+def check_quantization(quant: dict | None) -> None:
+    """Refuses, naming the field, a GPTQ, AWQ or compressed-tensors variant the loader cannot read: before any
+    weight is read, and by `kiln plan`."""
+    packed_int.packed_format(quant)
+    if compressed.is_compressed_tensors(quant):
+        compressed.read_config(quant)

@@ -20,7 +20,7 @@ from kiln import platform
 from kiln.layers.fp8_linear import FP8, check_blocks_loaded, convert_to_fp8
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from kiln.layers.quant_rows import pop_rows
-from kiln.loader import fp8
+from kiln.loader import compressed, fp8, mxfp4, packed_int
 from kiln.models.config import ModelConfig
 from kiln.models.registry import model_class
 
@@ -85,7 +85,8 @@ def fp8_block(cfg: ModelConfig, device: str, load_format: str) -> tuple[int, int
 
 def iter_weights(cfg: ModelConfig, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors by name; an FP8 checkpoint's weights dequantized here, on the CPU (the model
-    loads plain weights), or kept in FP8 with their block factors (keep_fp8)."""
+    loads plain weights), or kept in FP8 with their block factors (keep_fp8); an MXFP4, GPTQ, AWQ or
+    compressed-tensors one's dequantized."""
     if cfg.is_gguf:
         from kiln.loader.gguf_loader import iter_gguf_tensors
 
@@ -93,6 +94,13 @@ def iter_weights(cfg: ModelConfig, keep_fp8: bool = False) -> Iterator[tuple[str
     quant = cfg.config_dict.get("quantization_config")
     if fp8.is_fp8_config(quant):
         return fp8.block_stream(iter_safetensors(cfg.model_path), fp8.block_size(quant), keep_fp8)
+    if mxfp4.is_mxfp4_config(quant):
+        return mxfp4.dequantized_stream(iter_safetensors(cfg.model_path))
+    if compressed.is_compressed_tensors(quant):
+        return compressed.dequantized_stream(iter_safetensors(cfg.model_path), quant)
+    packed = packed_int.packed_format(quant)
+    if packed is not None:
+        return packed_int.dequantized_stream(iter_safetensors(cfg.model_path), packed)
     return iter_safetensors(cfg.model_path)
 
 
@@ -238,9 +246,11 @@ def load_model(
     on_progress=None,
     prepack: bool = False,
     dummy: bool = False,
+    head: bool = True,
 ) -> LoadedModel:
     """Build the model on meta, materialize it and load every weight; checks nothing was missed. dummy
-    (--load-format dummy): random weights instead, nothing read but the config."""
+    (--load-format dummy): random weights instead, nothing read but the config. head False: the lm_head may be
+    missing (an embedding model's checkpoint, saved from transformers' base model, has none)."""
     if dummy and cfg.is_gguf:
         raise ValueError(
             f"--load-format dummy builds a model from a config.json, and {cfg.model_path} is a GGUF file: give a "
@@ -256,7 +266,7 @@ def load_model(
     if dummy:
         init_dummy_weights(model)
     else:
-        exempt = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        exempt = {"lm_head.weight"} if cfg.tie_word_embeddings or not head else set()
         load_checked(
             model, _reporting(iter_weights(cfg, block is not None), on_progress), cfg.model_path, exempt
         )

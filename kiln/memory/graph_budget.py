@@ -55,8 +55,9 @@ def cuda_defaults(device_memory_bytes: int, tp: int) -> tuple[int, int]:
 
 def graph_batch_sizes(inputs: LedgerInputs, max_bs: int, running_requests: int) -> tuple[int, ...]:
     """The decode batch sizes startup captures: --cuda-graph-bs or SGLang's list up to max_bs, capped at the
-    running-request limit (which is appended when it cuts the list short); none for a model that runs eagerly."""
-    if inputs.disable_cuda_graph or inputs.model.eager_only:
+    running-request limit (which is appended when it cuts the list short); none for a model that runs eagerly, nor
+    on an embedding server, whose requests never decode."""
+    if inputs.disable_cuda_graph or inputs.model.eager_only or inputs.is_embedding:
         return ()
     sizes = sorted(set(inputs.cuda_graph_bs)) if inputs.cuda_graph_bs else decode_graph_batch_sizes(max_bs)
     capped = [b for b in sizes if b <= running_requests]

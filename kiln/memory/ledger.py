@@ -38,7 +38,7 @@ from kiln.memory.ledger_steps import (
 )
 from kiln.memory.ledger_types import Failure, Ledger, LedgerInputs, LedgerLine
 from kiln.memory.pool_sizing import PoolRequest, PoolSizing, resolve_running_requests, size_pool
-from kiln.models.spec import ModelSpec
+from kiln.models.spec import LinearState, ModelSpec, WindowState
 
 __all__ = ["Ledger", "LedgerInputs", "compute_core", "compute_ledger"]
 
@@ -55,14 +55,22 @@ def compute_ledger(inputs: LedgerInputs) -> Ledger:
 def compute_core(inputs: LedgerInputs) -> Ledger:
     """compute_ledger without the fix search."""
     _validate(inputs)
-    state = inputs.model.linear_state(inputs.tp_size, dtype_bytes(inputs.dtype))
+    state = request_state(inputs)
     if state is None:
         return _compute(inputs, None)
     if inputs.max_mamba_cache_size:
         return _compute(inputs, given_slots_plan(inputs, state))
     if inputs.max_running_requests and inputs.mamba_full_memory_ratio is None:
         return size_for_requests(inputs, state, _compute)
-    return _compute(inputs, ratio_plan(inputs, state))
+    return _compute(inputs, ratio_plan(inputs, state, kv_cell(inputs).total))
+
+
+def request_state(inputs: LedgerInputs) -> LinearState | WindowState | None:
+    """A running request's state outside the token pool: linear layers' states in the model's dtype, or the
+    windowed layers' rings in the KV cache's."""
+    linear = inputs.model.linear_state(inputs.tp_size, dtype_bytes(inputs.dtype))
+    context = inputs.context_length or inputs.model.context_len
+    return linear or inputs.model.window_state(inputs.tp_size, kv_cell(inputs).element_bytes, context)
 
 
 def _compute(inputs: LedgerInputs, plan: StatePlan | None) -> Ledger:

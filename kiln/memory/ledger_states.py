@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from kiln.core.units import gib, human
 from kiln.memory.ledger_types import Ledger, LedgerInputs
-from kiln.models.spec import LinearState
+from kiln.models.spec import LinearState, WindowState
 
 # Checkpoint slots the prefix cache gets per running request (SGLang's MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO
 # is 3 slots per request: the working one and two for cached prefixes).
@@ -30,7 +30,7 @@ DEFAULT_MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's default
 class StatePlan:
     """The state pool the ledger sizes: its slots, the running requests they allow and how it was decided."""
 
-    state: LinearState
+    state: LinearState | WindowState
     slots: int  # 0 until a ratio split decides them
     running_cap: int  # running requests the slots hold
     per_request: int  # slots one running request accounts for (working + checkpoints)
@@ -65,15 +65,24 @@ def _slots_words(per_request: int) -> str:
     return "1 working" + (f" + {per_request - 1} checkpoints" if per_request > 1 else "")
 
 
-def given_slots_plan(inputs: LedgerInputs, state: LinearState) -> StatePlan:
+def given_slots_plan(inputs: LedgerInputs, state: LinearState | WindowState) -> StatePlan:
     slots, per_request = int(inputs.max_mamba_cache_size or 0), per_request_slots(inputs)
     how = f"--max-mamba-cache-size {slots}"
     return clamped(inputs, StatePlan(state, slots, slots // per_request, per_request, how))
 
 
-def ratio_plan(inputs: LedgerInputs, state: LinearState) -> StatePlan:
-    ratio = inputs.mamba_full_memory_ratio or DEFAULT_MAMBA_FULL_MEMORY_RATIO
-    how = f"--mamba-full-memory-ratio {ratio:g}: states {ratio:g} / (1 + {ratio:g}) of the pool memory"
+def ratio_plan(inputs: LedgerInputs, state: LinearState | WindowState, cell_bytes: int) -> StatePlan:
+    if isinstance(state, WindowState):
+        # SGLang's windowed : full pool tokens, as a memory ratio: ring bytes a token over full KV bytes a token
+        tokens = inputs.swa_full_tokens_ratio
+        ratio = tokens * state.slot_bytes / state.tokens / cell_bytes
+        how = (
+            f"--swa-full-tokens-ratio {tokens:g}: windowed-layer tokens {tokens:g} x the full-attention pool's, "
+            f"{ratio:.3g} : 1 of the pool memory"
+        )
+    else:
+        ratio = inputs.mamba_full_memory_ratio or DEFAULT_MAMBA_FULL_MEMORY_RATIO
+        how = f"--mamba-full-memory-ratio {ratio:g}: states {ratio:g} / (1 + {ratio:g}) of the pool memory"
     return StatePlan(state, 0, 0, per_request_slots(inputs), how, ratio=ratio)
 
 
@@ -90,7 +99,7 @@ def clamped(inputs: LedgerInputs, plan: StatePlan) -> StatePlan:
     return replace(plan, clamp=line)
 
 
-def requests_plan(inputs: LedgerInputs, state: LinearState, running: int) -> StatePlan:
+def requests_plan(inputs: LedgerInputs, state: LinearState | WindowState, running: int) -> StatePlan:
     per_request = per_request_slots(inputs)
     how = f"{running} running requests x {per_request} slots ({_slots_words(per_request)})"
     return StatePlan(state, running * per_request, running, per_request, how)
@@ -99,7 +108,7 @@ def requests_plan(inputs: LedgerInputs, state: LinearState, running: int) -> Sta
 Compute = Callable[[LedgerInputs, StatePlan], Ledger]
 
 
-def size_for_requests(inputs: LedgerInputs, state: LinearState, compute: Compute) -> Ledger:
+def size_for_requests(inputs: LedgerInputs, state: LinearState | WindowState, compute: Compute) -> Ledger:
     """Kiln's own sizing: KV for --max-running-requests at the full context and their state slots, both set aside;
     when that does not fit, the most requests that do, with one line saying why and by how much."""
     asked = int(inputs.max_running_requests or 1)

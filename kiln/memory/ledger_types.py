@@ -41,6 +41,8 @@ class LedgerInputs:
     cuda_graph_bs_prefill: tuple[int, ...] | None = None
     disable_cuda_graph: bool = False
     disable_prefill_graph: bool = False
+    # an embedding server (--is-embedding): prefills only, so no decode graph is captured and no request decodes
+    is_embedding: bool = False
     enable_hierarchical_cache: bool = False
     hicache_size_gb: float = 0.0
     hicache_ratio: float = 2.0
@@ -68,6 +70,7 @@ class LedgerInputs:
     mamba_full_memory_ratio: float | None = None  # hybrid models: SGLang's state : KV split of the pool
     max_mamba_cache_size: int | None = None  # hybrid models: state slots given
     mamba_track_interval: int = 256  # hybrid models: tokens between the prefix cache's state checkpoints
+    swa_full_tokens_ratio: float = 0.8  # hybrid sliding-window models: SGLang's windowed : full pool tokens
     weight_prepack: bool = True  # CPU float32: linear weights in a packed layout (a tied lm head gets a copy)
     # CPU float32 with prepacking: the GGUF types whose matrices stay in their blocks under --cpu-gemm (Kiln's
     # kernels, AVX2); from_args asks the platform, plain data does not probe the CPU
@@ -112,6 +115,7 @@ class LedgerInputs:
             disable_cuda_graph=args.disable_cuda_graph
             or platform.attention_interpreted(device, args.attention_backend),
             disable_prefill_graph=args.disable_prefill_graph,
+            is_embedding=args.is_embedding,
             # an MLA model's latent attention gathers its rows whatever --attention-backend says
             attention_gathers=args.attention_backend != "triton" or model.is_mla,
             fused_step_kernels=platform.fused_step_kernels(device, dtype),
@@ -125,6 +129,7 @@ class LedgerInputs:
             mamba_full_memory_ratio=args.mamba_full_memory_ratio,
             max_mamba_cache_size=args.max_mamba_cache_size,
             mamba_track_interval=args.mamba_track_interval,
+            swa_full_tokens_ratio=args.swa_full_tokens_ratio,
             gguf_block_types=blocks,
             fp8_weights_kept=platform.fp8_weights_kept(target, args.load_format),
             integer_kernels=bool(blocks) and platform.integer_compute(args.cpu_gemm),

@@ -74,6 +74,11 @@ class PrefixCache(ABC):
         its ``acquire_prefix`` stops where a state checkpoint is."""
         return self.acquire_prefix(key)
 
+    def states_serve_one_earlier(self) -> bool:
+        """Whether a state kept after token n also restarts a request at token n - 1 (window rings, which still
+        hold the window before it; not a linear layer's state, which has taken token n - 1 in)."""
+        return False
+
     def restore_state(self, node: Any, slot: int) -> None:
         """A request starts in working slot ``slot`` from the prefix matched at ``node`` (None: from no tokens):
         a hybrid model's cache puts the linear layers' state there. Nothing to do for KV-only models."""

@@ -18,6 +18,7 @@ from kiln.memory.allocator import TokenAllocator
 from kiln.memory.prefix_cache import MatchResult
 from kiln.memory.radix_cache import RadixCache, TreeNode
 from kiln.memory.state_pool import StatePool
+from kiln.memory.window_pool import WindowPool
 
 
 class CheckpointSlots:
@@ -51,7 +52,7 @@ class HybridRadixCache(RadixCache):
         self,
         allocator: TokenAllocator,
         page_size: int,
-        states: StatePool,
+        states: StatePool | WindowPool,
         working_slots: int,
         track_interval: int,
     ) -> None:
@@ -93,6 +94,9 @@ class HybridRadixCache(RadixCache):
 
     def keeps_states(self) -> bool:
         return self.slots.total > 0
+
+    def states_serve_one_earlier(self) -> bool:
+        return isinstance(self.states, WindowPool) and self.keeps_states()
 
     def wants_checkpoint(self, num_tokens: int) -> bool:
         return num_tokens > 0 and num_tokens % self.track_interval == 0 and self.slots.total > 0

@@ -18,7 +18,36 @@ import torch
 from kiln.memory.kv_pool import pool_tensor
 
 
-class StatePool:
+class SlotPool:
+    """Per-request states held as tensors [layers, slots, ...]: a slot moves and resets across all of them."""
+
+    num_slots: int
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's state over every layer."""
+        return self.nbytes // max(self.num_slots, 1)
+
+    def zero(self, slots: torch.Tensor | list[int]) -> None:
+        """Reset `slots` to the empty state (a request that starts from no tokens)."""
+        for t in self.tensors():
+            t[:, torch.as_tensor(slots, dtype=torch.int64, device=t.device)] = 0
+
+    def copy(self, src_slots: torch.Tensor | list[int], dst_slots: torch.Tensor | list[int]) -> None:
+        """Copy the states of `src_slots` into `dst_slots` (pairwise, every layer)."""
+        for t in self.tensors():
+            src = torch.as_tensor(src_slots, dtype=torch.int64, device=t.device)
+            t[:, torch.as_tensor(dst_slots, dtype=torch.int64, device=t.device)] = t[:, src]
+
+
+class StatePool(SlotPool):
     """Per linear layer, the conv state `conv[layer, slot]` and the recurrent state `ssm[layer, slot]`.
 
     Both are one tensor each ([layers, slots, *shape]) rather than a list per layer, so a slot's whole state
@@ -44,24 +73,5 @@ class StatePool:
             (num_linear_layers, num_slots, *self.ssm_shape), ssm_dtype, device, slots_dim=1
         )
 
-    @property
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.ssm.nbytes
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot's state over every linear layer."""
-        return self.nbytes // max(self.num_slots, 1)
-
-    def zero(self, slots: torch.Tensor | list[int]) -> None:
-        """Reset `slots` to the empty state (a request that starts from no tokens)."""
-        index = torch.as_tensor(slots, dtype=torch.int64, device=self.conv.device)
-        self.conv[:, index] = 0
-        self.ssm[:, index] = 0
-
-    def copy(self, src_slots: torch.Tensor | list[int], dst_slots: torch.Tensor | list[int]) -> None:
-        """Copy the states of `src_slots` into `dst_slots` (pairwise, every linear layer)."""
-        src = torch.as_tensor(src_slots, dtype=torch.int64, device=self.conv.device)
-        dst = torch.as_tensor(dst_slots, dtype=torch.int64, device=self.conv.device)
-        self.conv[:, dst] = self.conv[:, src]
-        self.ssm[:, dst] = self.ssm[:, src]
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.conv, self.ssm

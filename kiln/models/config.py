@@ -138,15 +138,17 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with KV in the pool: every layer, or a hybrid's full-attention layers only."""
-        if self.linear_attention is None:
+        """Layers with KV in the pool: every layer, or a hybrid's (linear or sliding-window) full-attention layers
+        only (a draft head's config holds its own num_layers, not its target's)."""
+        if self.linear_attention is None and not self.spec.window_rings:
             return self.num_layers
-        return len(self.linear_attention.full_layers)
+        return self.spec.kv_layers
 
     @classmethod
     def from_hf_dict(cls, model_path: str, d: dict) -> ModelConfig:
         """The config of the model at `model_path` (a directory or a .gguf file) from its HF config dict."""
-        hf = _transformers_config(d)
+        whole = _transformers_config(d)
+        hf = whole.get_text_config()  # a multimodal config's language model (Gemma 3's): Kiln serves the text
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         eos = d.get("eos_token_id")
@@ -168,7 +170,7 @@ class ModelConfig:
             max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
             eos_token_ids=eos_ids,
             is_gguf=model_path.endswith(".gguf"),
-            spec=ModelSpec.from_config(d, hf.to_dict()),  # as model_spec(d) builds it
+            spec=ModelSpec.from_config(d, whole.to_dict()),  # as model_spec(d) builds it
             mla=MlaDims.from_hf(hf),
             linear_attention=LinearAttentionSpec.from_hf(hf),
         )

@@ -7,6 +7,7 @@ full ones. The window and the softcap are the layer's, handed to the attention b
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -56,8 +57,6 @@ class GemmaAttention(LlamaAttention):
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.layer_type = hf.layer_types[layer_id]
-        sliding = self.layer_type == SLIDING and hf.sliding_window
-        self.window: int | None = int(hf.sliding_window) if sliding else None
         cap = getattr(hf, "attn_logit_softcapping", None)
         self.softcap: float | None = float(cap) if cap else None
 
@@ -82,19 +81,10 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         h = h + self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
-    def forward(self, cos_sin, h: torch.Tensor, fb: ForwardBatch, rotary, attn, pieces: Pieces | None = None):
-        before = pieces.before if pieces else GemmaDecoderLayer.before_attention
-        after = pieces.after if pieces else GemmaDecoderLayer.after_attention
-        q, k, v = before(self, cos_sin, h, rotary)
-        n, sa = fb.out_cache_loc.shape[0], self.self_attn  # padded rows (pieces) never reach attention
-        out = attn.forward(sa.layer_id, q[:n], k[:n], v[:n], fb, sa.scale, sa.window, sa.softcap)
-        return after(self, h, pieces.pad(out) if pieces else out)
-
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     layer_cls = GemmaDecoderLayer
     windowed = True  # the layers layer_types marks sliding attend over sliding_window tokens
-    implements_window = True  # ... and Kiln masks them so (registry.check_model_config)
 
     check_config = staticmethod(check_config)
 
@@ -134,12 +124,34 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             self.last_hidden = torch.cat(taken, dim=-1)
         if capture == "last":
             self.last_hidden = h = self.model.norm(h[:rows])
-            h = h if fb.logits_index is None else h[fb.logits_index]
-        else:
-            h = self.model.norm(h if fb.logits_index is None else h[fb.logits_index])
+        return self.head(h, fb, normed=capture == "last")
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return softcap(self.lm_head(h), self.final_softcap).float()
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 2's model with q/k norms (GemmaAttention, by the architecture's name), rope tables by layer type, and
     transformers' defaults of Gemma3TextConfig: no softcap."""
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3's multimodal checkpoints (4B and up) served as their language model: the text config's model under
+    transformers' names for it (language_model.model.*, or model.language_model.* from transformers 5); the
+    vision tower and its projector are not loaded (images are not taken)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_language_model(weights))
+
+
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _language_model(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.startswith(_VISION):
+            continue
+        for prefix, kiln in (("language_model.model.", "model."), ("model.language_model.", "model.")):
+            if name.startswith(prefix):
+                name = kiln + name.removeprefix(prefix)
+        yield name.removeprefix("language_model."), tensor

@@ -36,6 +36,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.layer_id = layer_id
+        # its index in the token pool, or among the windowed layers' rings (LlamaForCausalLM._set_windows)
+        self.kv_layer = layer_id
         self.head_dim = cfg.head_dim
         # transformers' biases: attention_bias puts one on all four projections (Llama, Qwen3); Qwen2 has them on
         # q, k and v only, always; Mistral has none
@@ -53,6 +55,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
+        # what a family's layer adds to plain causal attention (Gemma's window and softcap, GPT-OSS's sinks),
+        # handed to the attention backend with each call
+        self.window: int | None = None
+        self.softcap: float | None = None
+        self.sinks: torch.Tensor | None = None
 
     def qkv(self, cos_sin: torch.Tensor, x: torch.Tensor, rotary) -> tuple[torch.Tensor, ...]:
         """[T, hidden] -> q [T, Hq, D], k and v [T, Hk, D], q and k rotated."""
@@ -105,11 +112,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.forward_add(normed, h) if isinstance(self.mlp, LlamaMLP) else h + self.mlp(normed)
 
     def forward(self, cos_sin, h: torch.Tensor, fb: ForwardBatch, rotary, attn, pieces: Pieces | None = None):
-        before = pieces.before if pieces else LlamaDecoderLayer.before_attention
-        after = pieces.after if pieces else LlamaDecoderLayer.after_attention
+        before = pieces.before if pieces else type(self).before_attention
+        after = pieces.after if pieces else type(self).after_attention
         q, k, v = before(self, cos_sin, h, rotary)
         n, sa = fb.out_cache_loc.shape[0], self.self_attn  # padded rows (pieces) never reach attention
-        out = attn.forward(sa.layer_id, q[:n], k[:n], v[:n], fb, sa.scale)
+        out = attn.forward(sa.kv_layer, q[:n], k[:n], v[:n], fb, sa.scale, sa.window, sa.softcap, sa.sinks)
         return after(self, h, pieces.pad(out) if pieces else out)
 
 
@@ -128,7 +135,8 @@ class LlamaForCausalLM(nn.Module):
     # the checkpoint's separate projections that load into one merged parameter each
     stacked_params = STACKED_PARAMS
 
-    # whether transformers applies the config's sliding_window to this architecture (registry.attention_window)
+    # whether transformers applies the config's sliding_window to this architecture; where it does, Kiln masks
+    # the same layers (layer_windows)
     windowed = False
 
     @staticmethod
@@ -143,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         type(self).check_config(cfg.hf_config)
         self.cfg = cfg
         self.model = LlamaModel(cfg, type(self).layer_cls)
+        self._set_windows(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -154,6 +163,20 @@ class LlamaForCausalLM(nn.Module):
         # each of those layers, concatenated (EAGLE-3); None keeps nothing
         self.capture_hidden: str | tuple[int, ...] | None = None
         self.last_hidden: torch.Tensor | None = None  # [rows, width] of the last forward, when captured
+        self.prompt_hidden: torch.Tensor | None = None  # the last forward's hidden_index rows, normed (head)
+
+    def _set_windows(self, cfg: ModelConfig) -> None:
+        """Each layer's window (layer_windows); where the windowed layers keep rings (ModelSpec.window_rings),
+        each attention layer's kv_layer counts among its kind: the pool holds the full-attention layers alone."""
+        windows = layer_windows(cfg.hf_config, type(self).windowed)
+        rings, counts = cfg.spec.window_rings, {True: 0, False: 0}
+        for layer, window in zip(self.model.layers, windows):
+            attention = getattr(layer, "self_attn", None)
+            if isinstance(attention, LlamaAttention):
+                attention.window = window
+                if rings:
+                    attention.kv_layer = counts[window is not None]
+                    counts[window is not None] += 1
 
     def init_buffers(self, max_positions: int, device) -> None:
         """Non-parameter state, built after the weights were materialized off `meta`."""
@@ -173,10 +196,23 @@ class LlamaForCausalLM(nn.Module):
             h = layer(cos_sin, h, fb, self.rotary, self.attn, pieces)
         if capture == "last":
             self.last_hidden = h = self.model.norm(h[:rows])
-            return self.lm_head(h if fb.logits_index is None else h[fb.logits_index]).float()
+            return self.head(h, fb, normed=True)
         if taken:
             self.last_hidden = torch.cat(taken, dim=-1)
-        h = self.model.norm(h if fb.logits_index is None else h[fb.logits_index])
+        return self.head(h, fb)
+
+    def head(self, h: torch.Tensor, fb: ForwardBatch, normed: bool = False) -> torch.Tensor:
+        """The logits of fb.logits_index's rows of the last layer's output `h` (`normed`: the final norm already
+        applied). fb.hidden_index's rows are kept normed in `prompt_hidden` (set only then, so a compiled decode
+        step mutates nothing): their logits (prompt logprobs) are computed afterwards a chunk of rows at a time
+        (compute_logits), never [prompt x vocab] at once."""
+        norm = (lambda x: x) if normed else self.model.norm
+        if fb.hidden_index is not None:
+            self.prompt_hidden = norm(h[fb.hidden_index])
+        return self.compute_logits(norm(h if fb.logits_index is None else h[fb.logits_index]))
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of normed hidden states [rows, hidden] (the whole vocabulary on every rank)."""
         return self.lm_head(h).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -193,6 +229,10 @@ class LlamaForCausalLM(nn.Module):
                 if ckpt in name:
                     name, shard_id = name.replace(ckpt, merged), sid
                     break
+            if name not in params and f"model.{name}" in params:
+                name = (
+                    f"model.{name}"  # transformers' base model's names (Qwen3-Embedding saves Qwen3Model's)
+                )
             if name not in params:
                 # skipped, as transformers and SGLang do (an adapter, a head Kiln does not run): a checkpoint
                 # that is not this model's is still refused, by the parameters it leaves unfilled
@@ -208,6 +248,19 @@ class LlamaForCausalLM(nn.Module):
                 f"used, e.g. {unused[:3]}"
             )
         return loaded
+
+
+def layer_windows(hf_config: Any, windowed: bool) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it: none unless the architecture is `windowed`; then
+    the resolved config's sliding_window (Qwen's configs clear it without use_sliding_window) on the layers
+    layer_types marks sliding, or on every layer where the config has no layer_types (Mistral, Mixtral, Phi-3,
+    Qwen3-MoE)."""
+    layers = int(hf_config.num_hidden_layers)
+    window = getattr(hf_config, "sliding_window", None) if windowed else None
+    if not window:
+        return [None] * layers
+    kinds = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * layers
+    return [int(window) if kind == "sliding_attention" else None for kind in kinds]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -309,8 +309,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         cos_sin = self.rotary.cos_sin_for(fb.positions, h.dtype)
         for layer in self.model.layers:
             h = layer(cos_sin, h, fb, self.rotary, self.attn, self.state_pool)
-        h = self.model.norm(h if fb.logits_index is None else h[fb.logits_index])
-        return self.lm_head(h).float()
+        return self.head(h, fb)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from kiln.core.dtypes import dtype_bytes
+from kiln.core.graph_shapes import PROMPT_LOGPROB_ROWS
 from kiln.core.layer_kinds import LINEAR_ATTENTION
 from kiln.core.sharding import kv_heads_per_rank
 
@@ -44,7 +45,10 @@ def layer_types(cfg: dict) -> list[str]:
     if cfg.get("model_type") == "qwen3_next" or cfg.get("full_attention_interval"):
         interval = int(cfg.get("full_attention_interval") or 4)
         return ["full_attention" if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
-    if cfg.get("sliding_window") and cfg.get("model_type") in _WINDOW_ON_EVERY_LAYER:
+    every_layer = cfg.get("model_type") in _WINDOW_ON_EVERY_LAYER or (
+        cfg.get("model_type") == "qwen3_moe" and cfg.get("use_sliding_window")  # its config clears it without
+    )
+    if cfg.get("sliding_window") and every_layer:
         return ["sliding_attention"] * layers
     return ["full_attention"] * layers
 
@@ -73,8 +77,59 @@ def kv_heads(cfg: dict) -> int:
 
 
 def kv_layers(cfg: dict) -> int:
-    """Layers that keep KV (hybrid models: only the attention layers)."""
-    return sum(1 for t in layer_types(cfg) if t not in _NON_KV_LAYER_TYPES)
+    """Layers that keep KV in the token pool (hybrid models: only the attention layers; hybrid sliding-window
+    models: only the full-attention ones, their windowed layers keep a ring per request, window_state)."""
+    windowed = "sliding_attention" if window_rings(cfg) else None
+    return sum(1 for t in layer_types(cfg) if t not in _NON_KV_LAYER_TYPES and t != windowed)
+
+
+def window_rings(cfg: dict) -> bool:
+    """Whether the model's windowed layers keep their KV in per-request rings of the window's length rather than
+    in the token pool: a model with both sliding-window and full-attention layers (Gemma 2/3, GPT-OSS), as
+    SGLang's hybrid SWA memory takes them. A model whose every layer is windowed (Mistral) keeps the pool."""
+    kinds = set(layer_types(cfg))
+    return bool(cfg.get("sliding_window")) and "sliding_attention" in kinds and "full_attention" in kinds
+
+
+@dataclass(frozen=True)
+class WindowState:
+    """One request's KV in a hybrid sliding-window model's windowed layers, on one rank: per layer a ring of its
+    last `tokens` positions' K and V (the window, or the context when that is shorter)."""
+
+    layers: int
+    tokens: int
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    element_bytes: int
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of the ring pool: every windowed layer's ring."""
+        return self.layers * self.tokens * self.kv_heads * (self.k_dim + self.v_dim) * self.element_bytes
+
+    def text(self) -> str:
+        return (
+            f"{self.layers} windowed layers x {self.tokens} tokens x {self.kv_heads} kv heads x "
+            f"({self.k_dim}+{self.v_dim}) x {self.element_bytes} B"
+        )
+
+
+def window_state(hf_config: dict, tp_size: int, element_bytes: int, context: int) -> WindowState | None:
+    """The per-request rings of a hybrid sliding-window model (window_rings), None for any other model."""
+    cfg = text_config(hf_config)
+    if not window_rings(cfg):
+        return None
+    _, v, _ = kv_dims(cfg, tp_size)
+    heads, hd = kv_heads_per_rank(kv_heads(cfg), tp_size), head_dim(cfg)
+    return WindowState(
+        layers=sum(t == "sliding_attention" for t in layer_types(cfg)),
+        tokens=min(int(cfg["sliding_window"]), context),
+        kv_heads=heads,
+        k_dim=hd,
+        v_dim=v // heads,
+        element_bytes=element_bytes,
+    )
 
 
 def linear_layers(cfg: dict) -> int:
@@ -225,8 +280,11 @@ def _linear_attn_params(cfg: dict, tp: int) -> tuple[float, float]:
     return linear, conv + 2 * value_heads / tp + value_dim
 
 
-def _attn_norm_params(cfg: dict) -> int:
-    """MLA's q_a_layernorm and kv_a_layernorm: replicated, and never quantized with the linears."""
+def _attn_norm_params(cfg: dict, tp: int) -> float:
+    """Attention's params never quantized with the linears: MLA's q_a_layernorm and kv_a_layernorm (replicated),
+    GPT-OSS's sinks (a logit per query head, split with the heads)."""
+    if cfg.get("model_type") == "gpt_oss":
+        return required(cfg, "num_attention_heads") / tp
     if not is_mla(cfg):
         return 0
     return int(cfg.get("q_lora_rank") or 0) + int(cfg["kv_lora_rank"])
@@ -244,6 +302,8 @@ def _mlp_params(cfg: dict, i: int, tp: int) -> tuple[float, float]:
         return 3 * h * required(cfg, "intermediate_size") / tp, 0.0
     n, inter, shared, _ = _experts(cfg)
     router = h * n + (h if cfg.get("shared_expert_intermediate_size") else 0)  # + shared-expert gate
+    if cfg.get("model_type") == "gpt_oss":  # the router's bias; the experts' gate_up bias split, down whole
+        router += n + n * 2 * inter / tp + n * h
     return 3 * h * (n * inter + shared) / tp, float(router)
 
 
@@ -280,7 +340,7 @@ def param_counts(hf_config: dict, tp_size: int) -> tuple[int, int]:
         if kinds[i] == "linear_attention":
             mixer, mixer_rest = _linear_attn_params(cfg, tp_size)
         else:
-            mixer, mixer_rest = _attn_params(cfg, tp_size), _attn_norm_params(cfg)
+            mixer, mixer_rest = _attn_params(cfg, tp_size), _attn_norm_params(cfg, tp_size)
         linear += mixer + mlp
         other += _layer_norms(cfg) * h + small + mixer_rest
     return round(linear), round(other)
@@ -305,10 +365,11 @@ def checkpoint_dtype(hf_config: dict) -> str | None:
 
 def half_dtype(hf_config: dict) -> str:
     """The 16-bit type a float32 or unspecified checkpoint is served in on CUDA: bfloat16 for the Gemma family,
-    whose activations overflow float16, else float16 (SGLang's `_get_and_verify_dtype`)."""
+    whose activations overflow float16 (SGLang's `_get_and_verify_dtype`), and for GPT-OSS, whose checkpoints
+    hold their unquantized tensors in bfloat16 and whose config names no dtype; else float16."""
     text = text_config(hf_config)
     model_type = str(text.get("model_type") or hf_config.get("model_type") or "")
-    return "bfloat16" if model_type.startswith("gemma") else "float16"
+    return "bfloat16" if model_type.startswith(("gemma", "gpt_oss")) else "float16"
 
 
 def aux_hidden_layers(hf_config: dict) -> tuple[int, ...] | None:
@@ -355,13 +416,19 @@ def _linear_bytes_per_param(hf_config: dict, element_bytes: int, fp8_kept: bool 
         return 1.0 + 4 / (block[0] * block[1]), f"fp8 blocks kept (1 B + 4 B per {block[0]}x{block[1]} block)"
     if "fp8" in method:  # kiln/loader/fp8.py dequantizes the blocks at load: the weights are held unquantized
         return float(element_bytes), f"{method} checkpoint dequantized at load"
-    if method in ("compressed-tensors", "modelopt"):
+    if method == "compressed-tensors":  # kiln/loader/compressed.py decompresses them at load
+        return float(element_bytes), f"{method} checkpoint dequantized at load"
+    if method == "modelopt":
         return 1.0 + 4 / (128 * 128), f"{method} (1 B + block scales)"
-    if method in ("mxfp4", "modelopt_fp4", "nvfp4"):
+    if method == "mxfp4":  # kiln/loader/mxfp4.py: GPT-OSS's experts, dequantized at load (no MXFP4 kernel)
+        return float(element_bytes), "mxfp4 experts dequantized at load"
+    if method in ("modelopt_fp4", "nvfp4"):
         return 0.5 + 1 / 32, f"{method} (0.5 B + scales)"
     if method == "bitsandbytes":
         return (0.5 + 4 / 64, "bnb 4-bit") if q.get("load_in_4bit") else (1.0, "bnb 8-bit")
     bits, group = int(q.get("bits") or 4), int(q.get("group_size") or 128)
+    if method in ("gptq", "awq"):  # kiln/loader/packed_int.py: dequantized at load (no packed low-bit kernel)
+        return float(element_bytes), f"{method} {bits}-bit checkpoint dequantized at load"
     group = group if group > 0 else 1024
     return bits / 8 + (element_bytes + bits / 8) / group, f"{method} {bits}-bit, group {group}"
 
@@ -398,11 +465,32 @@ class GgufBlocks:
 _PACKED_PER_RAW = {"Q4_K": (148, 144)}
 
 
+def gptq_q4_0_blocks(quant: dict | None) -> bool:
+    """Whether a GPTQ checkpoint's linears load as Q4_0 blocks beside their float32 weights (kiln/loader/packed_int.py):
+    4 bits, symmetric (every zero point 8), no act-order, groups of whole 32-column blocks."""
+    q = quant or {}
+    if str(q.get("quant_method", "")).lower() != "gptq" or int(q.get("bits", 4)) != 4:
+        return False
+    group = int(q.get("group_size", 128))
+    return bool(q.get("sym", True)) and not q.get("desc_act", False) and (group == -1 or group % 32 == 0)
+
+
+def _block_types(hf_config: dict) -> dict:
+    """{GGML type: [linear params, their bytes in blocks, the tied head's bytes]} of the matrices a load keeps in
+    blocks: a GGUF's from its header; a symmetric 4-bit GPTQ checkpoint's projections as Q4_0 (18 B a 32)."""
+    gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
+    if gguf.get("block_types"):
+        return gguf["block_types"]
+    if gptq_q4_0_blocks(hf_config.get("quantization_config")):
+        params = round(_projection_counts(text_config(hf_config), 1)[0])
+        return {"Q4_0": [params, params // 32 * 18, 0]}
+    return {}
+
+
 def gguf_block_bytes(hf_config: dict, tp_size: int, types: tuple[str, ...]) -> GgufBlocks | None:
     """The GGUF matrices of `types` (those --cpu-gemm keeps, in its order) in their packed blocks on one rank;
     None where none is."""
-    gguf = hf_config.get("kiln_gguf") if isinstance(hf_config.get("kiln_gguf"), dict) else {}
-    found = gguf.get("block_types") or {}
+    found = _block_types(hf_config)
     kept = {t: found[t] for t in types if t in found}
     if not any(counts[0] for counts in kept.values()):
         return None
@@ -429,7 +517,14 @@ def int8_saved_bytes(hf_config: dict, tp_size: int, element_bytes: int, kept: tu
             sum(int(counts[i]) for t, counts in gguf["linear_types"].items() if t not in kept) for i in (0, 1)
         )
         return math.floor((params * (element_bytes - 1) - 4 * rows) / tp_size)
-    cfg = text_config(hf_config)
+    if any(t in kept for t in _block_types(hf_config)):  # the projections are blocks already (GPTQ as Q4_0)
+        return 0
+    params, rows = _projection_counts(text_config(hf_config), tp_size)
+    return math.floor(params * (element_bytes - 1) - 4 * rows)
+
+
+def _projection_counts(cfg: dict, tp_size: int) -> tuple[float, float]:
+    """Weights and output rows per rank of the attention (all but latent attention's) and dense MLP projections."""
     h, nh = required(cfg, "hidden_size"), required(cfg, "num_attention_heads")
     params = rows = 0.0
     for i in range(required(cfg, "num_hidden_layers")):
@@ -442,7 +537,7 @@ def int8_saved_bytes(hf_config: dict, tp_size: int, element_bytes: int, kept: tu
             inter = required(cfg, "intermediate_size") / tp_size
             params += 3 * h * inter
             rows += 2 * inter + h
-    return math.floor(params * (element_bytes - 1) - 4 * rows)
+    return params, rows
 
 
 def weight_inputs(hf_config: dict, tp_size: int, dtype: str, fp8_kept: bool = False) -> str:
@@ -474,7 +569,8 @@ def context_len_of(hf_config: dict) -> int:
 
 
 def prefill_activation(hf_config: dict, tokens: int, tp: int, act_bytes: int, device: str) -> tuple[int, str]:
-    """Peak activations of one prefill forward over `tokens` tokens, per rank."""
+    """Peak activations of one prefill forward over `tokens` tokens, per rank; or, where larger, of the prompt
+    logprobs scored after it (a chunk of rows' float32 logits and their log-softmax)."""
     cfg = text_config(hf_config)
     h, nh, vocab = (
         required(cfg, "hidden_size"),
@@ -509,4 +605,10 @@ def prefill_activation(hf_config: dict, tokens: int, tp: int, act_bytes: int, de
         + (f"scores {heads} heads x {t}^2 x 4 B; " if not device.startswith("cuda") else f"mask {t}^2; ")
         + f"last-token logits {vocab} x 4 B"
     )
+    scoring = 2 * min(t, PROMPT_LOGPROB_ROWS) * vocab * 4
+    if scoring > sum(parts.values()):
+        return (
+            scoring,
+            f"prompt logprobs: {min(t, PROMPT_LOGPROB_ROWS)} rows x vocab {vocab} x 4 B x 2 (> {text})",
+        )
     return sum(parts.values()), text

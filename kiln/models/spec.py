@@ -12,14 +12,17 @@ from typing import Any
 from kiln.core.dtypes import resolve_dtype_name
 from kiln.core.layer_kinds import LINEAR_ATTENTION
 from kiln.models import shapes, tp_split
-from kiln.models.shapes import GgufBlocks, LinearState
+from kiln.models.shapes import GgufBlocks, LinearState, WindowState
 
-__all__ = ["FULL", "LATENT", "SLIDING", "GgufBlocks", "LayerSpec", "LinearState", "ModelSpec"]
+__all__ = ["FULL", "LATENT", "SLIDING", "GgufBlocks", "LayerSpec", "LinearState", "ModelSpec", "WindowState"]
 
 FULL, SLIDING, LATENT = "full_attention", "sliding_attention", "latent_attention"
 # why a model with linear-attention layers runs eagerly: they update the state pool in place, per request, which a
 # captured decode or prefill step does not carry
 EAGER_LINEAR = "the linear-attention layers' state updates are not captured"
+# ... and a hybrid sliding-window model: its windowed layers' rings are indexed by the batch's request slots, which
+# a captured step does not carry
+EAGER_WINDOW = "the windowed layers' rings are not captured"
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,15 @@ class ModelSpec:
     def from_config(cls, config: dict, defaults: dict | None = None) -> ModelSpec:
         """The spec of a model from its HF config dict, `defaults` (transformers' config of its type) filling the
         fields it leaves out but those that size the model: ValueError naming one of those that it lacks."""
+        nested = isinstance(config.get("text_config"), dict)
         for key in shapes.SIZING_FIELDS:
-            shapes.required(shapes.text_config(config), key)
+            if not (nested and key == "vocab_size"):  # a multimodal config leaves it to its text model's type
+                shapes.required(shapes.text_config(config), key)
         config = {**(defaults or {}), **config}
+        if nested and isinstance(
+            (defaults or {}).get("text_config"), dict
+        ):  # the language model's own defaults
+            config["text_config"] = {**defaults["text_config"], **config["text_config"]}
         text = shapes.text_config(config)
         kinds = shapes.layer_types(text)
         latent = shapes.is_mla(text)
@@ -113,8 +122,14 @@ class ModelSpec:
 
     @property
     def kv_layers(self) -> int:
-        """Layers with KV rows in the pool (a hybrid's attention layers only)."""
-        return sum(layer.keeps_kv for layer in self.layers)
+        """Layers with KV rows in the pool (a hybrid's attention layers only; a hybrid sliding-window model's
+        full-attention layers only)."""
+        return shapes.kv_layers(self._text)
+
+    @property
+    def window_rings(self) -> bool:
+        """Its windowed layers keep per-request rings of the window (shapes.window_rings), not pool rows."""
+        return shapes.window_rings(self._text)
 
     @property
     def linear_layers(self) -> int:
@@ -132,7 +147,9 @@ class ModelSpec:
     def eager_only(self) -> str | None:
         """Why none of its steps can be captured as a graph (the ledger then reserves none, the graph runner
         captures none); None when they can."""
-        return EAGER_LINEAR if self.has_linear_attention else None
+        if self.has_linear_attention:
+            return EAGER_LINEAR
+        return EAGER_WINDOW if self.window_rings else None
 
     # --- KV and state -----------------------------------------------------------------------------------------
     def kv_dims(self, tp: int) -> tuple[int, int, str]:
@@ -144,6 +161,9 @@ class ModelSpec:
 
     def linear_state(self, tp: int, element_bytes: int) -> shapes.LinearState | None:
         return shapes.linear_state(self._whole, tp, element_bytes)
+
+    def window_state(self, tp: int, element_bytes: int, context: int) -> shapes.WindowState | None:
+        return shapes.window_state(self._whole, tp, element_bytes, context)
 
     # --- weights ----------------------------------------------------------------------------------------------
     def param_counts(self, tp: int) -> tuple[int, int]:

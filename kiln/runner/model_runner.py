@@ -20,9 +20,11 @@ from kiln.memory.allocator import TokenAllocator
 from kiln.memory.kv_pool import KVPool, LatentKVPool
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.memory.state_pool import StatePool
+from kiln.memory.window_pool import WindowPool
 from kiln.models.config import ModelConfig
 from kiln.platform import available_memory_bytes, current_rss_bytes
 from kiln.runner.attention import AttentionBackend, make_attention_backend
+from kiln.runner.prompt_logprobs import RowScores, score_rows
 
 logger = logging.getLogger("kiln")
 
@@ -52,17 +54,26 @@ class ModelRunner:
         self.graphs = None  # a GraphRunner once decode graphs were captured
         self.attn_backend: AttentionBackend | None = None  # chosen with the KV pool it reads
         self.attention_backend = attention_backend
-        self.state_pool: StatePool | None = None  # hybrid models' linear-layer states
+        self.state_pool: StatePool | WindowPool | None = None  # hybrid models' linear states or window rings
         self.last_forward_graph = False
         self.last_hidden: torch.Tensor | None = None  # the last forward's [rows, width], if kept
+        self.prompt_hidden: torch.Tensor | None = None  # the last forward's hidden_index rows (prompt lps)
 
     def _avail(self) -> str:
         return gib(available_memory_bytes(self.device))
 
-    def load(self, max_positions: int, on_progress=None, prepack: bool = True, dummy: bool = False) -> None:
+    def load(
+        self,
+        max_positions: int,
+        on_progress=None,
+        prepack: bool = True,
+        dummy: bool = False,
+        head: bool = True,
+    ) -> None:
+        """head False (an embedding model): a checkpoint without an lm_head loads, its head left unfilled."""
         logger.info(f"Load weight begin. avail mem={self._avail()}")
         loaded = load_model(
-            self.model_config, self.dtype, self.device, max_positions, on_progress, prepack, dummy
+            self.model_config, self.dtype, self.device, max_positions, on_progress, prepack, dummy, head
         )
         self.model = loaded.model
         params = dict(self.model.named_parameters())  # shared (tied) parameters once
@@ -107,6 +118,7 @@ class ModelRunner:
         row); the model reads them through its state_pool attribute."""
         spec = self.model_config.linear_attention
         if spec is None:
+            self._make_window_pool(sizes)
             return
         self.state_pool = StatePool(
             max(sizes.state_slots, sizes.max_running_requests),
@@ -123,6 +135,23 @@ class ModelRunner:
             f"State pool is allocated. #slots: {self.state_pool.num_slots}, conv {spec.conv_shape} "
             f"{self.dtype}, recurrent {spec.ssm_shape} {self.state_pool.ssm.dtype} x "
             f"{len(spec.linear_layers)} linear layers, size: {gib(self.state_pool.nbytes)}"
+        )
+
+    def _make_window_pool(self, sizes: PoolSizes) -> None:
+        """A hybrid sliding-window model's rings, one slot per request-table row as the linear layers' states
+        (kiln.memory.window_pool); its windowed layers attend over them through the attention backend."""
+        element_bytes = torch.empty(0, dtype=self.kv_dtype).element_size()
+        ring = self.model_config.spec.window_state(tp_size(), element_bytes, sizes.context_len)
+        if ring is None:
+            return
+        slots = max(sizes.state_slots, sizes.max_running_requests)
+        self.state_pool = WindowPool(
+            slots, ring.layers, ring.tokens, ring.kv_heads, ring.k_dim, ring.v_dim, self.kv_dtype, self.device
+        )
+        self.attn_backend.rings = self.state_pool
+        self.measured["state_pool"] = self.state_pool.nbytes
+        logger.info(
+            f"Window rings are allocated. #slots: {slots}, {ring.text()} each, size: {gib(self.state_pool.nbytes)}"
         )
 
     def init_memory_pool(self, sizes: PoolSizes) -> None:
@@ -163,5 +192,16 @@ class ModelRunner:
             else:
                 logits = self.model(fb)
                 self.last_hidden = getattr(self.model, "last_hidden", None)
+            # a prefill scoring its prompt: the rows the model kept (its head runs eagerly, under prefill pieces too)
+            keeps = fb.hidden_index is not None
+            self.prompt_hidden = getattr(self.model, "prompt_hidden", None) if keeps else None
         self.last_forward_seconds = time.perf_counter() - t0
         return logits
+
+    def score_prompt(self, targets: torch.Tensor, top_n: int) -> RowScores:
+        """Prompt logprobs of the last forward's kept rows (ForwardBatch.hidden_index), one target token each, their
+        logits computed a chunk at a time by the model's own head (kiln.runner.prompt_logprobs)."""
+        if self.prompt_hidden is None:
+            raise RuntimeError(f"{type(self.model).__name__} kept no hidden states for prompt logprobs")
+        with torch.inference_mode():
+            return score_rows(self.model.compute_logits, self.prompt_hidden, targets, top_n)

@@ -231,6 +231,8 @@ def _rank_info(parts: EngineParts) -> ServerInfo:
         graphs=runner.graphs.summary() if runner.graphs is not None else None,
         pid=os.getpid(),
         draft_graphs=_draft_graphs(parts.scheduler.spec),
+        pooling=parts.pooling,
+        hidden_size=parts.model_config.hidden_size,
     )
 
 

@@ -8,7 +8,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import InvalidParam, SamplingParams
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What a prefill-only request (max_new_tokens 0) returns instead of tokens (kiln.scheduler.pooling): its
+    prompt's final normed hidden states pooled (`mode` last | mean | cls, the first token), cut to their first
+    `dimensions` values (Matryoshka) and then L2-normalised if `normalize`: an embedding; or, `mode` "labels", the
+    log-probabilities of `label_ids` as the prompt's next token (/v1/score, /v1/rerank)."""
+
+    mode: str
+    normalize: bool = False
+    dimensions: int | None = None
+    label_ids: tuple[int, ...] = ()
+
+
+def embedding_spec(pooling: PoolSpec, dimensions: int | None, hidden_size: int) -> PoolSpec:
+    """An embedding request's PoolSpec: the server's pooling, with the `dimensions` (Matryoshka) it asks for."""
+    if dimensions is not None and not 1 <= dimensions <= hidden_size:
+        raise InvalidParam(
+            "dimensions",
+            f"dimensions={dimensions} must be in [1, {hidden_size}] (this model's embedding size)",
+        )
+    return PoolSpec(pooling.mode, pooling.normalize, dimensions)
 
 
 @dataclass
@@ -21,6 +44,7 @@ class GenerateReq:
     log_metrics: bool = (
         True  # False: a probe (/health_generate), left out of the token counters as SGLang does
     )
+    pool: PoolSpec | None = None  # a prefill-only request's pooled output (embeddings, label scores)
 
 
 @dataclass
@@ -41,7 +65,7 @@ class ControlReq:
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: the first prompt token of prompt logprobs (nothing before it scores it)
     top: list[tuple[int, float]] | None = None
 
 
@@ -58,12 +82,17 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    # prompt logprobs (params.logprob_start_len), once: a TokenLogprob per prompt token from the start, in SGLang's
+    # shape (the first one's logprob None)
+    input_logprobs: list[TokenLogprob] | None = None
     num_retractions: int = 0
     queue_time: float | None = None  # seconds from arrival to first admission, on the first output only
     error: str | None = None  # set for requests that failed inside the engine (a 500 for that request alone)
     # speculative decoding (zero without): decode steps the request took part in, and its drafts accepted
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
+    # a request with a PoolSpec, once its prompt is computed: the embedding, or its label tokens' logprobs
+    embedding: list[float] | None = None
 
     def spec_meta(self) -> dict[str, Any]:
         """meta_info's speculative fields as SGLang sends them (spec_accept_length = completion tokens per
@@ -85,12 +114,14 @@ class OutputAccumulator:
     text: str = ""
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
     last: ReqOutput | None = None
 
     def add(self, out: ReqOutput) -> None:
         self.text += out.text_delta
         self.ids.extend(out.new_ids)
         self.logprobs.extend(out.logprobs or [])
+        self.input_logprobs.extend(out.input_logprobs or [])
         self.last = out
 
     @property
@@ -204,6 +235,10 @@ class ServerInfo:
     draft_graphs: dict[str, Any] | None = None
     # with several tensor-parallel ranks, each rank's memory_check rows in rank order (memory_check is rank 0's)
     memory_check_per_rank: list[list[dict[str, Any]]] | None = None
+    # an embedding server's pooling (--is-embedding; None: a generation server) and the model's hidden size,
+    # the longest embedding it gives
+    pooling: PoolSpec | None = None
+    hidden_size: int = 0
 
 
 @dataclass(frozen=True)

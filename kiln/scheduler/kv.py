@@ -47,7 +47,7 @@ class KVManager:
     def match(self, req: Req) -> int:
         """Length of the cached prefix usable by req (at least its last token is always computed), by a lookup that
         changes nothing (PrefixCache.match_prefix): sorting the queue and budgeting admission move no KV."""
-        key = req.fill_ids[: req.seq_len - 1]
+        key = req.fill_ids[: req.prefix_limit]
         return self.cache.match_prefix(key) if key else 0
 
     def admit(self, req: Req, limit: int | None = None) -> bool:
@@ -59,7 +59,7 @@ class KVManager:
             if idx is None:
                 return False
             req.table_idx = idx
-            key = req.fill_ids[: req.seq_len - 1]
+            key = req.fill_ids[: req.prefix_limit]
             m = self.cache.acquire_prefix(key) if key else None
             if m is not None and m.indices.numel():
                 n = int(m.indices.numel())
@@ -148,6 +148,22 @@ class KVManager:
             self.cache.unlock(req.node)
         req.node, req.cached_len = m.node, n
         if n == req.kv_len and self.cache.wants_checkpoint(n):
+            self.cache.keep_state(m.node, req.table_idx)
+
+    def keep_prompt_state(self, req: Req) -> None:
+        """Window rings: the rings after a prompt's last token still hold the window before it, so they also serve
+        a restart at that token, which is where the same prompt sent again restarts (its last token is always
+        computed): kept there too, on a node ending one token short."""
+        n = req.kv_len - 1
+        if (
+            not self.radix_enabled
+            or n <= 0
+            or n % self.page_size
+            or not self.cache.states_serve_one_earlier()
+        ):
+            return
+        m = self.cache.match_stored(req.fill_ids[:n])
+        if int(m.indices.numel()) == n:
             self.cache.keep_state(m.node, req.table_idx)
 
     def track_states(self, reqs: list[Req]) -> None:

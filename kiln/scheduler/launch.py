@@ -17,12 +17,15 @@ from kiln.config import ServerArgs
 from kiln.core.dtypes import kv_torch_dtype, torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
 from kiln.layers.kernel_builds import build_kernels, kernels_for
+from kiln.loader.hub import download_weights
+from kiln.loader.pooling_config import read_pooling_config
 from kiln.memory.kv_pool import copyable
 from kiln.memory.ledger_format import format_table
 from kiln.memory.ledger_types import Ledger, storage_dir
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
 from kiln.runner.model_runner import ModelRunner, PoolSizes
+from kiln.scheduler.io import PoolSpec
 from kiln.scheduler.resolve import Deployment, MemoryPlan, StartupRefused, resolve, target_platform
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.spec_step import SpecDecoder
@@ -43,6 +46,17 @@ class EngineParts:
     ledger: Ledger
     args: ServerArgs
     device: str
+    pooling: PoolSpec | None = None  # an embedding server's (--is-embedding); None: a generation server
+
+
+def embedding_pooling(args: ServerArgs) -> PoolSpec | None:
+    """How an embedding server pools: the model's sentence-transformers config, else its last token, normalised
+    (kiln.loader.pooling_config); None for a generation server."""
+    if not args.is_embedding:
+        return None
+    config = read_pooling_config(args.model_path)
+    logger.info(f"Embedding model: {config.mode} pooling, normalize={config.normalize} ({config.source})")
+    return PoolSpec(config.mode, config.normalize)
 
 
 def capture_graphs(
@@ -102,6 +116,7 @@ def _load_runner(
         on_progress=lambda info: phase("progress", info),
         prepack=not args.disable_weight_prepack,
         dummy=args.load_format == "dummy",
+        head=not args.is_embedding,  # an embedding checkpoint (Qwen3-Embedding's) may have no lm_head
     )
     phase("allocating_kv", {})
     sizes = PoolSizes(
@@ -122,6 +137,8 @@ def _start_graphs(
         logger.info(
             "Steps run eagerly: Triton's interpreter (--attention-backend triton on the CPU) is not compiled."
         )
+    elif args.is_embedding:
+        logger.info("No decode graphs: an embedding server's requests end with their prefill.")
     elif runner.device == "cpu" and not ledger.graph_batch_sizes and not args.disable_cuda_graph:
         logger.info(
             "Decode graphs are off on the CPU by default: each batch size compiles at the first start (the "
@@ -268,6 +285,11 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
     if device == "cpu":
         torch.set_num_threads(platform.cpu_threads(args.num_threads))
         build_kernels(kernels_for(args.cpu_gemm, args.quantization), phase)  # a first build takes minutes
+    if args.hub_model_id:  # kiln.Engine by model id; under serve the front has downloaded them: found cached
+        try:
+            download_weights(args.hub_model_id, args.model_path, args.download_dir)
+        except ValueError as e:
+            raise StartupRefused(str(e)) from e
     phase("loading_weights", {})
     tokenizer = load_tokenizer(args.model_path, args.tokenizer_path, args.chat_template)
     runner = _load_runner(args, plan, model_config, phase)
@@ -285,4 +307,4 @@ def build_engine(args: ServerArgs, on_phase: OnPhase | None = None) -> EnginePar
         f"max_prefill_tokens={ledger.max_prefill_tokens}, max_running_requests={ledger.max_running_requests}, "
         f"context_len={ledger.context_len}"
     )
-    return EngineParts(scheduler, tokenizer, model_config, ledger, args, device)
+    return EngineParts(scheduler, tokenizer, model_config, ledger, args, device, embedding_pooling(args))

@@ -81,11 +81,14 @@ class OutputProcessor:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             logprobs=req.pending_logprobs or None,
+            input_logprobs=req.pending_input_logprobs,
             num_retractions=req.num_retractions,
             error=req.error,
             queue_time=req.queue_time,
+            embedding=req.embedding if req.finished else None,
         )
         req.pending_ids, req.pending_text, req.pending_logprobs, req.queue_time = [], "", [], None
+        req.pending_input_logprobs = None
         return out
 
     @staticmethod

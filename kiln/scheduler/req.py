@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kiln.sampling_params import SamplingParams
+from kiln.scheduler.io import PoolSpec
 from kiln.structured.matcher import GrammarMatcher
 
 
@@ -65,10 +66,21 @@ class Req:
         self.pending_ids: list[int] = []
         self.pending_text = ""
         self.pending_logprobs: list = []
+        # prompt logprobs (SGLang's input logprobs, from params.logprob_start_len): each scored prompt token's
+        # TokenLogprob as its prefill chunks compute them, then the whole list once, with the next output
+        self.input_logprobs: list = []
+        self.input_logprobs_done = False  # computed (a retracted request's second prefill computes none)
+        self.pending_input_logprobs: list | None = None
         # constrained decoding: the matcher being compiled (the request waits in the grammar queue), then the
         # matcher itself, which has consumed exactly output_ids (retraction keeps both, so they stay in step)
         self.grammar: Future | None = None
         self.matcher: GrammarMatcher | None = None
+        # a prefill-only request's pooled output (kiln.scheduler.pooling): its PoolSpec, each computed chunk's
+        # float32 part by the chunk's first position (a row, or mean pooling's sum), and the result once its
+        # prompt is computed, sent at its end
+        self.pool: PoolSpec | None = None
+        self.pool_parts: dict[int, torch.Tensor] = {}
+        self.embedding: list[float] | None = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -85,6 +97,22 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_logprob_start(self) -> int | None:
+        """The first prompt token of the prompt logprobs while they are still to be computed, else None."""
+        return None if self.input_logprobs_done else self.params.prompt_logprob_start
+
+    @property
+    def prefix_limit(self) -> int:
+        """How much of the sequence a prefix-cache hit may cover: all but its last token, whose logits give the next
+        one, and, while prompt logprobs are to be computed, nothing from their start on (a cached prefix has no
+        hidden states to score; SGLang's cap, Req.init_next_round_input); nothing for mean or first-token
+        pooling."""
+        start = self.prompt_logprob_start
+        if self.pool is not None and self.pool.mode in ("mean", "cls"):
+            start = 0  # they pool the first token's hidden state too, which a cached prefix does not have
+        return self.seq_len - 1 if start is None else min(self.seq_len - 1, start)
 
     @property
     def prefill_done(self) -> bool:

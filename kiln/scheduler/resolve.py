@@ -21,6 +21,7 @@ from kiln.core.devices import device_spec, same_device
 from kiln.core.dtypes import kv_cache_dtype_name
 from kiln.layers.fp8_linear import FIX as FP8_FIX
 from kiln.loader.model_config import load_model_config, read_model_spec
+from kiln.loader.pooling_config import has_pooling_config, read_pooling_config
 from kiln.memory.ledger import compute_ledger, context_length_refusal
 from kiln.memory.ledger_format import format_refusal
 from kiln.memory.ledger_types import Ledger, LedgerInputs, storage_dir
@@ -127,11 +128,13 @@ def check(args: ServerArgs, target: Platform, serving: bool = False) -> Checked:
     try:  # the config, the architecture, or a config field the model would refuse when built
         model_config = load_model_config(args.model_path)
         model = model_config.spec
-        check_model_config(model_config, args.context_length or model.context_len)
+        check_model_config(model_config)
+        args = embedding_args(args)
     except (ValueError, KeyError, OSError) as e:
         raise StartupRefused(str(e)) from e
     refusal = (
-        tp_refusal(args, model, target)
+        embedding_refusal(args)
+        or tp_refusal(args, model, target)
         or hybrid_refusal(args, model)
         or draft_refusal(args, model)
         or context_length_refusal(model, args.context_length, envs.allow_longer_context_len())
@@ -163,6 +166,25 @@ def resolve(args: ServerArgs, target: Platform, serving: bool = False) -> Deploy
     overrun = checked.model.context_overrun(checked.args.context_length)  # allowed by SGLang's switch
     warnings = (overrun,) if overrun else ()
     return Deployment(checked.args, target, checked.model_config, memory, checked.spec, warnings)
+
+
+def embedding_args(args: ServerArgs) -> ServerArgs:
+    """--is-embedding, also on by itself for a model laid out for sentence-transformers pooling (Qwen3-Embedding's
+    modules.json and 1_Pooling/config.json); its pooling read here, so a layout Kiln cannot pool is refused now."""
+    embedding = args.is_embedding or has_pooling_config(args.model_path)
+    if embedding:
+        read_pooling_config(args.model_path)  # ValueError naming the file
+    return replace(args, is_embedding=True) if embedding and not args.is_embedding else args
+
+
+def embedding_refusal(args: ServerArgs) -> str | None:
+    """An embedding server generates nothing: a draft for speculative decoding would have nothing to draft."""
+    if args.is_embedding and args.speculative_algorithm:
+        return (
+            f"--speculative-algorithm {args.speculative_algorithm} speeds up generation, and this is an embedding "
+            "server (--is-embedding, or the model's sentence-transformers pooling config): drop one of them"
+        )
+    return None
 
 
 def plan_ledger(
@@ -221,19 +243,24 @@ def tp_refusal(args: ServerArgs, model: ModelSpec, target: Platform) -> str | No
 
 
 def hybrid_refusal(args: ServerArgs, model: ModelSpec) -> str | None:
-    """What a hybrid linear-attention model cannot be served with yet: its per-request states are not in the host
-    tier, and a verify step would advance them past rejected draft tokens."""
-    if not model.has_linear_attention:
+    """What a hybrid model (linear-attention states, or sliding-window rings) cannot be served with yet: its
+    per-request states are not in the host tier, and a verify step would advance them past rejected draft tokens
+    (a ring would overwrite positions still in the window with them)."""
+    if model.has_linear_attention:
+        kind, states = "hybrid linear-attention model", "state"
+    elif model.window_rings:
+        kind, states = "hybrid sliding-window model", "windowed layers' rings"
+    else:
         return None
     if args.enable_hierarchical_cache:
         return (
-            "--enable-hierarchical-cache keeps KV only: a hybrid linear-attention model's prefix cache also needs "
-            "its state checkpoints, which the host tier does not hold; serve it without the host tier"
+            f"--enable-hierarchical-cache keeps KV only: a {kind}'s prefix cache also needs its {states} "
+            "checkpoints, which the host tier does not hold; serve it without the host tier"
         )
     if args.speculative_algorithm:
         return (
-            f"--speculative-algorithm {args.speculative_algorithm}: a hybrid linear-attention model's state would "
-            "advance past rejected draft tokens (no per-draft-token states yet); serve it without speculation"
+            f"--speculative-algorithm {args.speculative_algorithm}: a {kind}'s {states} would advance past "
+            "rejected draft tokens (no per-draft-token states yet); serve it without speculation"
         )
     interval, page = args.mamba_track_interval, args.page_size
     if interval % page:  # checkpoints sit where the radix tree can split: at page ends

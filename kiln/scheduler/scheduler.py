@@ -32,7 +32,7 @@ from kiln.scheduler.req import Req, ReqState
 from kiln.scheduler.spec_step import SpecDecoder
 from kiln.scheduler.step import StepKind
 from kiln.scheduler.step_cycle import StepCycle
-from kiln.scheduler.validate import Limits, validate_request
+from kiln.scheduler.validate import Limits, validate_pool, validate_request
 from kiln.structured.backend import make_backend
 from kiln.structured.cache import GrammarCache
 from kiln.structured.spec import spec_of
@@ -151,6 +151,7 @@ class Scheduler(StepCycle, OverlapSchedule):
         p = msg.params
         try:
             validate_request(msg.input_ids, p, self.limits)
+            validate_pool(msg.pool, p, self.limits)
         except InvalidParam as e:
             self.outbox.append(self.out.error_output(msg.rid, len(msg.input_ids), f"{e.param}: {e}"))
             return
@@ -161,6 +162,7 @@ class Scheduler(StepCycle, OverlapSchedule):
             )
         detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim)
         req = Req(msg.rid, list(msg.input_ids), p, detok, gen, msg.stream, msg.deadline, msg.log_metrics)
+        req.pool = msg.pool
         spec = spec_of(p)
         if spec is not None and self.grammars is None:
             message = f"{spec.kind}: constrained decoding is off on this server (--grammar-backend none)"

@@ -16,6 +16,9 @@ from kiln.core.forward_batch import ForwardBatch
 from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.runner.sampler import SampleOutput
 from kiln.scheduler.batch import build_decode
+from kiln.scheduler.io import TokenLogprob
+from kiln.scheduler.pooling import PoolRows
+from kiln.scheduler.prompt_logprobs import PromptRows
 from kiln.scheduler.req import Req
 from kiln.speculative.base import DraftTree
 from kiln.speculative.verify import Verdict
@@ -32,7 +35,8 @@ class StepPlan:
     """One step, decided: its requests in row order, the tokens whose KV each writes (already allocated: a
     request's kv_len counts them from here, so a failure releases them with it), each one's kv_len before the
     step, the forward batch, the requests whose row gives a sampled token (a prompt's last chunk that asks for
-    tokens, every decode row, a verify step's rows without drafts), and a verify step's draft trees."""
+    tokens, every decode row, a verify step's rows without drafts), a verify step's draft trees, and a prefill's
+    rows that score prompt tokens (prompt logprobs; their batch rows are batch.hidden_index, in the same order)."""
 
     kind: StepKind
     reqs: tuple[Req, ...]
@@ -41,6 +45,8 @@ class StepPlan:
     batch: ForwardBatch
     sampled: tuple[int, ...]
     drafts: tuple[DraftTree, ...] = ()
+    prompt_rows: tuple[PromptRows, ...] = ()
+    pool_rows: tuple[PoolRows, ...] = ()  # the rows pooled (PoolSpec), kept after the prompt-logprob rows
 
     @property
     def rows(self) -> list[int]:
@@ -63,11 +69,14 @@ def decode_plan(reqs: list[Req], table: ReqToTokenPool, slots: torch.Tensor) -> 
 class StepResult:
     """A plan executed: the tokens of its `sampled` requests, less those `blocked` (indices into `sampled`: a
     grammar that allows no token ends them unsampled); a verify step's verdicts, one per request with drafts; the
-    hidden states drafters read; whether a captured graph ran. Or the error the forward raised, and nothing else."""
+    hidden states drafters read; whether a captured graph ran; the prompt tokens scored, one list per share of the
+    plan's prompt_rows. Or the error the forward raised, and nothing else."""
 
     sampled: SampleOutput | None = None
     blocked: tuple[int, ...] = ()
     verdicts: tuple[Verdict, ...] = ()
     hidden: torch.Tensor | None = None
     graphed: bool = False
+    prompt_logprobs: tuple[list[TokenLogprob], ...] = ()
+    pooled: tuple[torch.Tensor, ...] = ()  # one vector per share of the plan's pool_rows
     error: Exception | None = None

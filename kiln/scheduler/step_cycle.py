@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,7 @@ import torch
 import kiln.distributed as distributed
 from kiln.runner.device_sampler import sample_step
 from kiln.runner.sampler import SampleOutput, SamplingRow
+from kiln.scheduler import pooling, prompt_logprobs
 from kiln.scheduler.batch import build_extend
 from kiln.scheduler.req import Req, ReqState
 from kiln.scheduler.step import StepKind, StepPlan, StepResult, decode_plan
@@ -52,11 +54,18 @@ class StepCycle:
 
     def _prefill_plan(self, reqs: list[Req]) -> StepPlan:
         batch = build_extend(reqs, self.kv.table)
+        kept, shares = prompt_logprobs.plan_rows(reqs)
+        pooled_rows, pools = pooling.plan_rows(reqs, len(kept))
+        kept += pooled_rows
+        if kept:
+            batch = replace(batch, hidden_index=torch.tensor(kept, dtype=torch.int64))
         starts, new = tuple(r.kv_len for r in reqs), tuple(r.extend_len for r in reqs)
         for r in reqs:  # the extend's slots are the request's from here: a failure releases them
             r.kv_len += r.extend_len
         sampled = tuple(i for i, r in enumerate(reqs) if r.prefill_done and r.params.max_new_tokens > 0)
-        return StepPlan(StepKind.PREFILL, tuple(reqs), new, starts, batch, sampled)
+        return StepPlan(
+            StepKind.PREFILL, tuple(reqs), new, starts, batch, sampled, prompt_rows=shares, pool_rows=pools
+        )
 
     def schedule_decode(self) -> StepPlan | None:
         """A decode step over the running requests (a verify step where the drafter proposes), retracting the
@@ -83,6 +92,8 @@ class StepCycle:
         checked). Changes no request: a forward that raises comes back as the result's error."""
         try:
             logits = self.runner.forward(plan.batch)
+            scored = prompt_logprobs.score(self.runner, plan.prompt_rows)
+            pooled = pooling.compute(self.runner, plan.pool_rows)
         except Exception as e:  # one bad batch fails its requests, never the loop
             return StepResult(error=e)
         hidden, graphed = getattr(self.runner, "last_hidden", None), self.runner.last_forward_graph
@@ -91,7 +102,9 @@ class StepCycle:
             return self.spec.verify(self, plan, logits, hidden, graphed)
         rows = logits[list(plan.sampled)] if plan.kind == StepKind.PREFILL else logits
         sampled, blocked = self.sample([plan.reqs[i] for i in plan.sampled], rows)
-        return StepResult(sampled, blocked, hidden=hidden, graphed=graphed)
+        return StepResult(
+            sampled, blocked, hidden=hidden, graphed=graphed, prompt_logprobs=scored, pooled=pooled
+        )
 
     def update(self, plan: StepPlan, result: StepResult) -> None:
         """Commits an executed plan: KV published to the prefix cache, tokens committed (Scheduler.commit), the
@@ -116,6 +129,8 @@ class StepCycle:
 
     def _update_prefill(self, plan: StepPlan, result: StepResult) -> None:
         reqs = list(plan.reqs)
+        prompt_logprobs.record(plan.reqs, plan.prompt_rows, result.prompt_logprobs)  # before any output
+        pooling.record(plan.reqs, plan.pool_rows, result.pooled)
         for r in reqs:
             if not r.prefill_done:
                 self.kv.cache_unfinished(r)
@@ -127,6 +142,7 @@ class StepCycle:
         sampled = [reqs[i] for i in plan.sampled]
         for r in sampled:  # publish the prompt's KV now, so requests arriving meanwhile share it
             self.kv.cache_unfinished(r)
+            self.kv.keep_prompt_state(r)
             r.state = ReqState.RUNNING
             self.running.append(r)
         self.commit_sampled(sampled, result)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.sampling_params import InvalidParam, SamplingParams
+from kiln.scheduler.io import PoolSpec
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,12 @@ def validate_request(input_ids: list[int], params: SamplingParams, limits: Limit
     if bad is not None:
         raise InvalidParam("prompt", f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     params.validate(limits.vocab_size)
+    if params.logprob_start_len >= n:  # SGLang aborts it: "is higher than the number of input tokens"
+        raise InvalidParam(
+            "logprob_start_len",
+            f"logprob_start_len={params.logprob_start_len} is not inside the {n}-token prompt: use -1 (no "
+            f"prompt logprobs) or 0 .. {n - 1}",
+        )
     if n >= limits.context_len:
         raise InvalidParam(
             "prompt",
@@ -47,4 +54,18 @@ def validate_request(input_ids: list[int], params: SamplingParams, limits: Limit
             f"{n + params.max_new_tokens} KV slots but the KV pool holds {limits.max_total_tokens} tokens: "
             f"use max_tokens <= {max(0, limits.max_total_tokens - n)} or start the server with a larger "
             f"--max-total-tokens / --mem-fraction-static",
+        )
+
+
+def validate_pool(pool: PoolSpec | None, params: SamplingParams, limits: Limits) -> None:
+    """A pooled request (kiln.scheduler.pooling) computes its prompt and nothing more; its label ids index the
+    vocabulary."""
+    if pool is None:
+        return
+    if params.max_new_tokens != 0:
+        raise InvalidParam("max_new_tokens", "a pooled request (an embedding, a score) generates no token")
+    bad = next((t for t in pool.label_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidParam(
+            "label_token_ids", f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -20,6 +20,7 @@ from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam
 from kiln.scheduler.io import EngineState, SchedulerStats, ServerInfo
 from kiln.server.bodies import decode_json, read_body
+from kiln.server.embeddings import EmbeddingRequest, EncodeRequest, PooledAborted, PoolingServing
 from kiln.server.engine_client import EngineClient
 from kiln.server.openai_api import EngineRequestError, OpenAIServing
 from kiln.server.protocol import (
@@ -30,6 +31,7 @@ from kiln.server.protocol import (
     error_body,
 )
 from kiln.server.responses import BodyReadTimeout, BodyTooLarge, ModelNotFound, QueueFull
+from kiln.server.scoring import RerankRequest, ScoringRequest, rerank, score
 from kiln.server.sglang_fields import refuse_unsupported
 from kiln.server.sglang_routes import (
     DetokenizeRequest,
@@ -47,7 +49,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kiln")
 OPEN_PATHS = {"/live", "/ready", "/health", "/health_generate", "/status", "/metrics"}
-GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/generate"}
+GENERATION_PATHS = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/generate",
+    "/v1/embeddings",
+    "/encode",
+    "/v1/score",
+    "/v1/rerank",
+}
 # The body each POST route reads (itself, through json_object), declared in /openapi.json for clients and fuzzers.
 BODY_MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
@@ -58,6 +68,10 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     "/tokenize": TokenizeRequest,
     "/v1/detokenize": DetokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/encode": EncodeRequest,
+    "/v1/score": ScoringRequest,
+    "/v1/rerank": RerankRequest,
 }
 
 
@@ -67,11 +81,15 @@ class ServerState:
     startup: StartupState
     client: EngineClient | None = None
     serving: OpenAIServing | None = None
+    # /v1/embeddings, /encode, /v1/score, /v1/rerank (kiln.server.embeddings, kiln.server.scoring)
+    pooling: PoolingServing | None = None
     info: ServerInfo | None = None
     model_name: str = ""
     shutting_down: bool = False
     stalled: str | None = None  # why the engine is considered stuck, if it is
     metrics: Metrics | None = None
+    # the model's sampling defaults under --sampling-defaults model (read once at startup; /model_info says them)
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 def _err(
@@ -126,6 +144,23 @@ def _serving(state: ServerState) -> OpenAIServing:
     if state.serving is None:
         raise EngineNotReady()
     return state.serving
+
+
+def _generating(state: ServerState) -> OpenAIServing:
+    """The generation routes' serving; an embedding server refuses them (400), as SGLang does."""
+    serving = _serving(state)
+    if state.info is not None and state.info.pooling is not None:
+        raise InvalidParam(
+            "model", "this server runs an embedding model (--is-embedding): it generates nothing, use "
+            "/v1/embeddings or /encode",
+        )  # fmt: skip
+    return serving
+
+
+def _pooling(state: ServerState) -> PoolingServing:
+    if state.pooling is None:
+        raise EngineNotReady()
+    return state.pooling
 
 
 # ---------------------------------------------------------------------------------------------- request bodies
@@ -219,6 +254,13 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
             500, f"internal error while processing the request (error id {eid})", None, "internal_error"
         )
 
+    @app.exception_handler(PooledAborted)
+    async def on_pooled_aborted(request: Request, exc: PooledAborted):
+        code = "request_timeout" if exc.status == 408 else "aborted"
+        return _err(
+            exc.status, str(exc), None, "unavailable" if exc.status == 503 else "invalid_request_error", code
+        )
+
     @app.exception_handler(EngineNotReady)
     async def on_not_ready(request: Request, exc: EngineNotReady):
         return _err(503, f"the engine is not up yet (phase: {state.startup.phase})", None, "unavailable")
@@ -247,7 +289,8 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
         not_ready = _readiness()
         if not_ready.status_code != 200:
             return not_ready
-        if await health_generate(_serving(state).client):
+        pool = state.info.pooling if state.info is not None else None
+        if await health_generate(_serving(state).client, pool=pool):
             return PlainTextResponse("", status_code=200)
         return JSONResponse({"ready": True, "healthy": False, "error": "no token came back"}, status_code=503)
 
@@ -282,15 +325,31 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _serving(state).completions(await _parse_body(request, CompletionRequest), request)
+        return await _generating(state).completions(await _parse_body(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _serving(state).chat(await _parse_body(request, ChatCompletionRequest), request)
+        return await _generating(state).chat(await _parse_body(request, ChatCompletionRequest), request)
 
     @app.post("/generate")
     async def generate(request: Request):
-        return await _serving(state).generate(await _parse_body(request, GenerateRequest), request)
+        return await _generating(state).generate(await _parse_body(request, GenerateRequest), request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await _pooling(state).embeddings(await _parse_body(request, EmbeddingRequest), request)
+
+    @app.post("/encode")
+    async def encode(request: Request):
+        return await _pooling(state).encode(await _parse_body(request, EncodeRequest), request)
+
+    @app.post("/v1/score")
+    async def score_route(request: Request):
+        return await score(_pooling(state), await _parse_body(request, ScoringRequest), request)
+
+    @app.post("/v1/rerank")
+    async def rerank_route(request: Request):
+        return await rerank(_pooling(state), await _parse_body(request, RerankRequest), request)
 
     async def tokenize_route(request: Request):
         return tokenize(_serving(state), await _parse_body(request, TokenizeRequest))
@@ -351,7 +410,8 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def model_info_route():
-        return model_info(state.args, state.model_name)
+        embedding = state.info is not None and state.info.pooling is not None
+        return model_info(state.args, state.model_name, state.sampling_defaults, not embedding)
 
     @app.post("/abort_request")
     async def abort_request(request: Request):

@@ -24,6 +24,7 @@ from kiln.scheduler.io import (
     EngineState,
     GenerateReq,
     OutputAccumulator,
+    PoolSpec,
     ReqOutput,
     SchedulerStats,
 )
@@ -33,28 +34,32 @@ logger = logging.getLogger("kiln")
 
 
 class RequestLog:
-    """--log-requests: a line when a request arrives (its prompt and the sampling parameters it changed) and one
-    when it ends (finish reason, token counts, latency, its text), as SGLang's `Receive:` / `Finish:` lines; texts
-    are cut at MAX_CHARS."""
+    """--log-requests: a line when a request arrives and one when it ends (finish reason, token counts, latency),
+    as SGLang's `Receive:` / `Finish:` lines, with what --log-requests-level adds (SGLang's levels): 1 the
+    sampling parameters the request changed, 2 its prompt and output text cut at MAX_CHARS, 3 them whole."""
 
     MAX_CHARS = 2048
 
-    def __init__(self, decode: Callable[[list[int]], str]):
+    def __init__(self, decode: Callable[[list[int]], str], level: int = 2):
         self.decode = decode
+        self.level = level
         self.texts: dict[str, list[str]] = {}
 
     def receive(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
         self.texts[rid] = []
-        changed = {
-            f.name: getattr(params, f.name)
-            for f in dataclasses.fields(params)
-            if getattr(params, f.name) != getattr(_DEFAULT_PARAMS, f.name)
-        }
-        logger.info(
-            f"Receive: rid={rid}, prompt_tokens={len(input_ids)}, sampling_params={changed}, "
+        line = f"Receive: rid={rid}, prompt_tokens={len(input_ids)}"
+        if self.level >= 1:
+            changed = {
+                f.name: getattr(params, f.name)
+                for f in dataclasses.fields(params)
+                if getattr(params, f.name) != getattr(_DEFAULT_PARAMS, f.name)
+            }
+            line += f", sampling_params={changed}"
+        if self.level >= 2:
             # a token is at least a character: decoding more than MAX_CHARS of them would only be clipped
-            f"text={self._clip(self.decode(input_ids[: self.MAX_CHARS + 1]))!r}"
-        )
+            ids = input_ids if self.level >= 3 else input_ids[: self.MAX_CHARS + 1]
+            line += f", text={self._clip(self.decode(ids))!r}"
+        logger.info(line)
 
     def output(self, out: ReqOutput, start: float) -> None:
         parts = self.texts.setdefault(out.rid, [])
@@ -63,11 +68,11 @@ class RequestLog:
             return
         del self.texts[out.rid]
         reason = out.finish_reason or {}
+        text = f", text={self._clip(''.join(parts))!r}" if self.level >= 2 else ""
         logger.info(
             f"Finish: rid={out.rid}, finish_reason={reason.get('type')}, prompt_tokens={out.prompt_tokens}, "
             f"completion_tokens={out.completion_tokens}, cached_tokens={out.cached_tokens}, "
-            f"e2e_latency={time.time() - start:.3f}, text={self._clip(''.join(parts))!r}"
-            + (f", error={out.error}" if out.error else "")
+            f"e2e_latency={time.time() - start:.3f}{text}" + (f", error={out.error}" if out.error else "")
         )
 
     def went_away(self, rid: str) -> None:
@@ -75,7 +80,8 @@ class RequestLog:
         logger.info(f"Abort: rid={rid} (its client went away)")
 
     def _clip(self, text: str) -> str:
-        return text if len(text) <= self.MAX_CHARS else text[: self.MAX_CHARS] + "..."
+        whole = self.level >= 3 or len(text) <= self.MAX_CHARS
+        return text if whole else text[: self.MAX_CHARS] + "..."
 
 
 _DEFAULT_PARAMS = SamplingParams()
@@ -135,6 +141,7 @@ class EngineClient:
         rid: str | None = None,
         deadline: float | None = None,
         observe: bool = True,
+        pool: PoolSpec | None = None,
     ) -> AsyncIterator[ReqOutput]:
         """Yields the request's outputs until it finishes; aborts it if the consumer stops early. `observe`
         False keeps it out of the front's latency metrics and the engine's token counters (a health probe is no
@@ -148,7 +155,9 @@ class EngineClient:
         if log is not None:
             log.receive(rid, input_ids, params)
         try:
-            self._send.send_pyobj(GenerateReq(rid, input_ids, params, stream, deadline, log_metrics=observe))
+            self._send.send_pyobj(
+                GenerateReq(rid, input_ids, params, stream, deadline, log_metrics=observe, pool=pool)
+            )
             while True:
                 out: ReqOutput = await q.get()
                 finished = out.finished
@@ -181,9 +190,10 @@ class EngineClient:
         rid: str | None = None,
         deadline: float | None = None,
         observe: bool = True,
+        pool: PoolSpec | None = None,
     ) -> OutputAccumulator:
         result = OutputAccumulator()
-        async for out in self.generate(input_ids, params, False, rid, deadline, observe):
+        async for out in self.generate(input_ids, params, False, rid, deadline, observe, pool):
             result.add(out)
         assert result.last is not None
         return result

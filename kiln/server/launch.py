@@ -13,6 +13,7 @@ import queue
 import shutil
 import socket
 import tempfile
+import threading
 import time
 
 import uvicorn
@@ -20,6 +21,7 @@ import uvicorn
 from kiln.config import ServerArgs
 from kiln.config_compat import foreign_flag_messages
 from kiln.core.logs import configure_logging
+from kiln.loader.generation_config import sampling_defaults
 from kiln.scheduler.io import (
     EngineReady,
     ServerInfo,
@@ -28,6 +30,8 @@ from kiln.scheduler.io import (
 from kiln.scheduler.validate import Limits
 from kiln.server.app import ServerState, create_app
 from kiln.server.connections import guarded_protocol
+from kiln.server.download import download_phase
+from kiln.server.embeddings import PoolingServing
 from kiln.server.engine_client import EngineClient, RequestLog
 from kiln.server.openai_api import OpenAIServing
 from kiln.server.ranks import RankProcesses, serve_ranks
@@ -71,8 +75,13 @@ class _Server(uvicorn.Server):
 class Launcher:
     def __init__(self, args: ServerArgs):
         self.args = args.with_defaults()
-        self.state = ServerState(self.args, StartupState(self.args.startup_events))
+        first = "downloading" if self.args.hub_model_id else "launching"  # a model id: its weights first
+        self.state = ServerState(self.args, StartupState(self.args.startup_events, first))
         self.state.model_name = self.args.served_model_name or self.args.model_path
+        # read once, here: every request and /model_info see the same values (a local path: with_defaults)
+        self.state.sampling_defaults = sampling_defaults(self.args.sampling_defaults, self.args.model_path)
+        if self.state.sampling_defaults:
+            logger.info(f"Sampling defaults from generation_config.json: {self.state.sampling_defaults}")
         self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")  # the sockets' folder, removed as run() returns
         self.engine_addr = f"ipc://{self.ipc_dir}/engine"
         self.front_addr = f"ipc://{self.ipc_dir}/front"
@@ -80,6 +89,7 @@ class Launcher:
         self.server: _Server | None = None
         self.drain_deadline = 0.0
         self.ranks = RankProcesses(self.args)
+        self.stop_download = threading.Event()  # the server is stopping: a download in progress stops too
 
     @property
     def proc(self) -> mp.process.BaseProcess | None:
@@ -139,6 +149,14 @@ class Launcher:
         tokenizer_future = loop.run_in_executor(
             None, load_tokenizer, self.args.model_path, self.args.tokenizer_path, self.args.chat_template
         )
+        if self.args.hub_model_id:  # the weights first, the engine after: it loads them
+            failure = await download_phase(self.args, self.state.startup, self.stop_download)
+            if failure or self.stop_download.is_set():
+                tokenizer_future.add_done_callback(lambda f: f.cancelled() or f.exception())
+                if failure:
+                    self.die(failure)
+                return
+            self.start_engine()
         info = await self._engine_startup()
         if info is None:  # the engine's refusal said why; the tokenizer's own error would only repeat it
             tokenizer_future.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -150,7 +168,7 @@ class Launcher:
         tokenizer = await tokenizer_future
         client = EngineClient(self.engine_addr, self.front_addr)
         if self.args.log_requests:
-            client.request_log = RequestLog(tokenizer.decode)
+            client.request_log = RequestLog(tokenizer.decode, self.args.log_requests_level)
         if not self.args.disable_metrics:
             from kiln.server.metrics import Metrics
 
@@ -173,7 +191,9 @@ class Launcher:
             grammar_backend=self.args.grammar_backend,
             tool_call_parser=self.args.tool_call_parser,
             reasoning_parser=self.args.reasoning_parser,
+            sampling_defaults=self.state.sampling_defaults,
         )
+        self.state.pooling = PoolingServing(self.state.serving, info)
         self.state.startup.enter("warming_up")
         if not self.args.skip_server_warmup and not await self._warm_up(client, tokenizer):
             return
@@ -184,7 +204,7 @@ class Launcher:
     async def _warm_up(self, client: EngineClient, tokenizer) -> bool:
         from kiln.sampling_params import SamplingParams
 
-        ids = tokenizer.encode(WARMUP_PROMPT)
+        ids, pooling = tokenizer.encode(WARMUP_PROMPT), self.state.info.pooling
         need, pool = len(ids) + WARMUP_NEW_TOKENS, self.state.info.max_total_num_tokens
         if need > pool:  # the operator's to fix, not a client's: say so with the numbers
             self.die(
@@ -197,8 +217,10 @@ class Launcher:
             result = await asyncio.wait_for(
                 client.collect(  # no client's request: the metrics start at the first one
                     ids,
-                    SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS, temperature=0),
+                    # an embedding server's warm-up embeds its prompt: it generates nothing
+                    SamplingParams(max_new_tokens=0 if pooling else WARMUP_NEW_TOKENS, temperature=0),
                     observe=False,
+                    pool=pooling,
                 ),
                 timeout=self.args.watchdog_timeout,
             )
@@ -331,7 +353,8 @@ class Launcher:
                 f"Kiln failed: cannot listen on {self.args.host}:{self.args.port}: {e.strerror or e} ({hint})"
             )
             return 1
-        self.start_engine()
+        if not self.args.hub_model_id:  # else once its weights are downloaded (_bring_up)
+            self.start_engine()
         app = create_app(self.state)
 
         @contextlib.asynccontextmanager
@@ -340,6 +363,7 @@ class Launcher:
             tasks = [asyncio.create_task(self.bring_up()), asyncio.create_task(self.watch_engine())]
             yield
             self.state.shutting_down = True
+            self.stop_download.set()  # before asyncio waits for its executor threads, one of them downloading
             for t in tasks:
                 t.cancel()
 
@@ -432,7 +456,7 @@ def serve(args: ServerArgs) -> int:
         logger.log(level, line)
     try:
         args = args.with_defaults()
-    except ValueError as e:  # a Hugging Face model id the local hub cache does not hold
+    except ValueError as e:  # a Hugging Face model id whose config cannot be fetched: before any server is up
         logger.error(f"Kiln failed: {e}")
         return 1
     refusal = _front_refusal(args)

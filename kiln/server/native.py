@@ -17,39 +17,50 @@ class LogprobShape:
     with_text: bool = False  # return_text_in_logprobs: each triple's third item is the token's text
 
 
-def check_logprob_start(start: int | list[int] | None, prompts: list[list[int]]) -> None:
-    """SGLang's logprob_start_len: -1 (its default) asks for the output's logprobs only; a start inside a prompt
-    asks for that prompt's own logprobs from there, which Kiln's engine does not compute. A start at or past
-    the prompt's end asks for none of it, as -1 does."""
+def logprob_starts(start: int | list[int] | None, prompts: list[list[int]], wanted: bool) -> list[int]:
+    """Each prompt's logprob_start_len as SGLang's scheduler resolves it: without return_logprob (`wanted`), or at
+    -1 (its default), the prompt's last token (whose logprob is null: only the output's are computed); a start
+    inside the prompt asks for its logprobs from there. A start past the prompt is refused by the request checks
+    (kiln.scheduler.validate), as SGLang aborts it; one below -1 by SamplingParams.validate."""
     starts = start if isinstance(start, list) else [start] * len(prompts)
     if len(starts) != len(prompts):
         raise InvalidParam("logprob_start_len", f"give one logprob_start_len per prompt ({len(prompts)})")
-    for value, ids in zip(starts, prompts):
-        if value is not None and value != -1 and value < len(ids):
-            raise InvalidParam(
-                "logprob_start_len",
-                f"logprob_start_len={value}: Kiln does not compute the logprobs of prompt tokens; send -1 (the "
-                "default) for the generated tokens' logprobs",
-            )
+    return [
+        len(ids) - 1 if not wanted or value is None or value == -1 else value
+        for value, ids in zip(starts, prompts)
+    ]
 
 
-def _triple(tokenizer, logprob: float, token_id: int, with_text: bool) -> list:
+def _triple(tokenizer, logprob: float | None, token_id: int, with_text: bool) -> list:
     return [logprob, token_id, tokenizer.decode([token_id]) if with_text else None]
 
 
-def logprob_fields(tokenizer, lps: list[TokenLogprob], shape: LogprobShape) -> dict:
-    """meta_info's logprob fields, as SGLang sends them whenever return_logprob is set (the prompt's lists are
-    empty: only the generated tokens' logprobs are computed)."""
+def _triples(tokenizer, lps: list[TokenLogprob], shape: LogprobShape) -> list[list]:
+    return [_triple(tokenizer, lp.logprob, lp.token_id, shape.with_text) for lp in lps]
+
+
+def _tops(tokenizer, lps: list[TokenLogprob], shape: LogprobShape) -> list[list[list] | None]:
+    """Each token's top logprobs as triples; null for a prompt's first token, which nothing scores."""
+    return [
+        None
+        if lp.logprob is None
+        else [_triple(tokenizer, value, token_id, shape.with_text) for token_id, value in (lp.top or [])]
+        for lp in lps
+    ]
+
+
+def logprob_fields(
+    tokenizer, lps: list[TokenLogprob], shape: LogprobShape, input_lps: list[TokenLogprob] | None = None
+) -> dict:
+    """meta_info's logprob fields, as SGLang sends them whenever return_logprob is set: the prompt's from its
+    logprob_start_len (the first one's logprob null), then the generated tokens'."""
     fields: dict = {
-        "input_token_logprobs": [],
-        "output_token_logprobs": [_triple(tokenizer, lp.logprob, lp.token_id, shape.with_text) for lp in lps],
+        "input_token_logprobs": _triples(tokenizer, input_lps or [], shape),
+        "output_token_logprobs": _triples(tokenizer, lps, shape),
     }
     if shape.top_logprobs_num > 0:
-        fields["input_top_logprobs"] = []
-        fields["output_top_logprobs"] = [
-            [_triple(tokenizer, value, token_id, shape.with_text) for token_id, value in (lp.top or [])]
-            for lp in lps
-        ]
+        fields["input_top_logprobs"] = _tops(tokenizer, input_lps or [], shape)
+        fields["output_top_logprobs"] = _tops(tokenizer, lps, shape)
     return fields
 
 
@@ -67,5 +78,5 @@ def native_body(tokenizer, result: OutputAccumulator, shape: LogprobShape | None
         **last.spec_meta(),
     }
     if shape is not None:
-        meta.update(logprob_fields(tokenizer, result.logprobs, shape))
+        meta.update(logprob_fields(tokenizer, result.logprobs, shape, result.input_logprobs))
     return {"text": result.text, "output_ids": result.ids, "meta_info": meta}

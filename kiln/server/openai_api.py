@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Mapping
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,7 +20,7 @@ from kiln.scheduler.io import OutputAccumulator, ReqOutput
 from kiln.scheduler.validate import Limits, validate_request
 from kiln.server.constraints import check_constraint, check_tool_parameters, response_format_schema
 from kiln.server.engine_client import EngineClient
-from kiln.server.native import LogprobShape, check_logprob_start, native_body
+from kiln.server.native import LogprobShape, logprob_starts, native_body
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kiln.server.responses import (
     QueueFull,
@@ -53,7 +53,10 @@ class OpenAIServing:
         grammar_backend: str = "llguidance",
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
     ):
+        # what a request's unset temperature, top_p, ... take (--sampling-defaults; the model's, or none)
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.grammar_backend = grammar_backend
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
@@ -107,14 +110,18 @@ class OpenAIServing:
         default_max: int | None,
         rid: str | list[str] | None = None,
         batch_param: tuple[str, str] = ("prompt", "n"),
+        logprob_starts: list[int] | None = None,
     ) -> FanOut:
-        """Every prompt's own params, validated against the limits, fanned out into its n samples; refused
-        when a client's request id is in use or the queue has no room for them all."""
+        """Every prompt's own params (its own logprob_start_len where given), validated against the limits,
+        fanned out into its n samples; refused when a client's request id is in use or the queue has no room for
+        them all."""
         if not prompts:
             raise InvalidParam("prompt", "the prompt is empty: send at least one prompt")
         per_prompt = []
-        for ids in prompts:
+        for i, ids in enumerate(prompts):
             p = SamplingParams(**{**params.__dict__})
+            if logprob_starts is not None:
+                p.logprob_start_len = logprob_starts[i]
             if default_max is None:  # "as many as fit": the context or the pool, whichever is smaller
                 p.max_new_tokens = max(
                     1, min(self.limits.context_len, self.limits.max_total_tokens) - len(ids)
@@ -155,7 +162,7 @@ class OpenAIServing:
         return [list(p) for p in prompt]
 
     # ------------------------------------------------------------------ running the samples
-    def _deadline(self) -> float | None:
+    def request_deadline(self) -> float | None:
         return time.time() + self.request_timeout if self.request_timeout else None
 
     async def _warm_prefixes(self, plan: FanOut) -> None:
@@ -165,24 +172,15 @@ class OpenAIServing:
     async def _run_all(self, plan: FanOut, raw: Request) -> list[OutputAccumulator]:
         """Runs every sample to the end; a client disconnect cancels (and so aborts) them all."""
         await self._warm_prefixes(plan)
-        deadline = self._deadline()
-        gather = asyncio.ensure_future(
-            asyncio.gather(
-                *(self.client.collect(s.input_ids, s.params, s.rid, deadline) for s in plan.samples)
-            )
+        deadline = self.request_deadline()
+        return await until_done(
+            (self.client.collect(s.input_ids, s.params, s.rid, deadline) for s in plan.samples), raw
         )
-        while not gather.done():
-            done, _ = await asyncio.wait({gather}, timeout=0.25)
-            if not done and await raw.is_disconnected():
-                gather.cancel()
-                gather.add_done_callback(_retrieve)  # its CancelledError is expected: never logged
-                raise ClientDisconnect()  # answered quietly: a client that leaves is no server error
-        return gather.result()
 
     async def _stream_all(self, plan: FanOut) -> AsyncIterator[tuple[int, ReqOutput]]:
         await self._warm_prefixes(plan)
         queue: asyncio.Queue = asyncio.Queue()
-        deadline = self._deadline()
+        deadline = self.request_deadline()
 
         async def pump(k: int, sample: Sample) -> None:
             async for out in self.client.generate(
@@ -211,14 +209,15 @@ class OpenAIServing:
             raise InvalidParam(
                 "suffix", "suffix (fill-in-the-middle) is not supported by Kiln: send a prompt only"
             )
-        if req.echo and req.logprobs is not None:
-            raise InvalidParam(
-                "echo", "echo with logprobs asks for the prompt tokens' logprobs, which Kiln does not compute"
-            )
         want_lp = req.logprobs is not None
         params = req.sampling_params(
-            req.max_tokens if req.max_tokens is not None else 16, want_lp, req.logprobs or 0
+            req.max_tokens if req.max_tokens is not None else 16,
+            want_lp,
+            req.logprobs or 0,
+            self.sampling_defaults,
         )
+        if req.echo and want_lp:  # the prompt's logprobs first, its first token's null (as OpenAI, SGLang)
+            params.logprob_start_len = 0
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             self.refuse_never_admitted(len(req.prompt), len(req.prompt) * params.n, ("prompt", "n"))
         prompts = self._completion_prompts(req.prompt)
@@ -232,9 +231,9 @@ class OpenAIServing:
         results = await self._run_all(plan, raw)
         choices = self._final_choices(
             results,
-            lambda text, lps: {
+            lambda text, lps, input_lps: {
                 "text": text,
-                "logprobs": logprobs_completion(self.tokenizer, lps) if want_lp else None,
+                "logprobs": logprobs_completion(self.tokenizer, input_lps + lps) if want_lp else None,
             },
         )
         for choice, echo in zip(choices, echoes or []):
@@ -248,12 +247,14 @@ class OpenAIServing:
         async for k, out in self._stream_all(plan):
             text = out.text_delta if echoes is None or k in lasts else echoes[k] + out.text_delta
             lasts[k] = out
+            # with echo, the prompt's logprobs come once, before the first output token's
+            lps = (out.input_logprobs or []) + (out.logprobs or []) if want_lp else []
             logprobs = None
             if want_lp:
-                logprobs = logprobs_completion(self.tokenizer, out.logprobs or [], offsets.get(k, 0))
-                offsets[k] = offsets.get(k, 0) + completion_chars(self.tokenizer, out.logprobs or [])
+                logprobs = logprobs_completion(self.tokenizer, lps, offsets.get(k, 0))
+                offsets[k] = offsets.get(k, 0) + completion_chars(self.tokenizer, lps)
             choice = {"index": k, "text": text, **finish_fields(out), "logprobs": logprobs}
-            if text or out.finished or (want_lp and out.logprobs):
+            if text or out.finished or lps:
                 yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
             yield sse(
@@ -308,7 +309,7 @@ class OpenAIServing:
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
-        params = req.sampling_params(max_tokens or 1, req.logprobs, top)
+        params = req.sampling_params(max_tokens or 1, req.logprobs, top, self.sampling_defaults)
         params.json_schema = response_format_schema(req.response_format) or params.json_schema
         check_tool_parameters(req.tools)
         tools = ChatTools.of(req, self.tool_call_parser, self.reasoning_parser)
@@ -323,7 +324,7 @@ class OpenAIServing:
         results = await self._run_all(plan, raw)
         choices = self._final_choices(
             results,
-            lambda text, lps: {
+            lambda text, lps, _: {
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs_chat(self.tokenizer, lps) if req.logprobs else None,
             },
@@ -367,7 +368,7 @@ class OpenAIServing:
         single = isinstance(req.text, str) or (
             req.input_ids is not None and req.input_ids and isinstance(req.input_ids[0], int)
         )
-        params = req.params()
+        params = req.params(self.sampling_defaults)
         params.validate_constraint()  # at most one of json_schema / regex / ebnf
         check_constraint(params, self.grammar_backend)
         batch_param = ("text" if req.text is not None else "input_ids", "sampling_params.n")
@@ -377,11 +378,11 @@ class OpenAIServing:
             prompts = [self.encode(t, "text") for t in texts]
         else:
             prompts = [req.input_ids] if single else [list(p) for p in req.input_ids]
-        check_logprob_start(req.logprob_start_len, prompts)
+        starts = logprob_starts(req.logprob_start_len, prompts, req.return_logprob)
         shape = (
             LogprobShape(req.top_logprobs_num, req.return_text_in_logprobs) if req.return_logprob else None
         )
-        plan = self._plan(prompts, params, params.max_new_tokens, req.rid, batch_param)
+        plan = self._plan(prompts, params, params.max_new_tokens, req.rid, batch_param, starts)
         if req.stream:
             return self._sse(self._generate_stream(plan, shape))
         results = await self._run_all(plan, raw)
@@ -402,7 +403,8 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     def _final_choices(self, results: list[OutputAccumulator], body) -> list[dict]:
-        """One choice per finished generation; `body(text, logprobs)` gives the endpoint's own fields."""
+        """One choice per finished generation; `body(text, logprobs, prompt logprobs)` gives the endpoint's own
+        fields."""
         choices = []
         for k, result in enumerate(results):
             last = result.output
@@ -410,7 +412,7 @@ class OpenAIServing:
             choices.append(
                 {
                     "index": k,
-                    **body(result.text, result.logprobs),
+                    **body(result.text, result.logprobs, result.input_logprobs),
                     **finish_fields(last),
                 }
             )
@@ -444,6 +446,20 @@ async def _error_event_on_failure(gen: AsyncGenerator[str, None]) -> AsyncIterat
         yield "data: [DONE]\n\n"
     finally:
         await gen.aclose()  # at once, so that a client who leaves has its requests aborted at once
+
+
+async def until_done(
+    requests: Iterable[Awaitable[OutputAccumulator]], raw: Request
+) -> list[OutputAccumulator]:
+    """Every request run to its end; a client disconnect cancels (and so aborts) them all."""
+    gather = asyncio.ensure_future(asyncio.gather(*requests))
+    while not gather.done():
+        done, _ = await asyncio.wait({gather}, timeout=0.25)
+        if not done and await raw.is_disconnected():
+            gather.cancel()
+            gather.add_done_callback(_retrieve)  # its CancelledError is expected: never logged
+            raise ClientDisconnect()  # answered quietly: a client that leaves is no server error
+    return gather.result()
 
 
 def _retrieve(future: asyncio.Future) -> None:

@@ -4,7 +4,7 @@ ones that cannot change the output (user, metadata, ...) are accepted and ignore
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -80,7 +80,15 @@ class _SamplingFields(_Strict):
             message = words.sub(lambda m: names[m.group()], str(e))
             raise InvalidParam(names.get(e.param, e.param), message) from None
 
-    def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_new_tokens: int,
+        logprobs: bool,
+        top_logprobs: int,
+        defaults: Mapping[str, float] | None = None,
+    ) -> SamplingParams:
+        """`defaults` (--sampling-defaults model) fill the fields this body left out: pydantic's
+        model_fields_set tells a field sent at its default from one not sent."""
         bias = None
         if self.logit_bias:
             try:
@@ -89,7 +97,7 @@ class _SamplingFields(_Strict):
                 raise InvalidParam(
                     "logit_bias", "logit_bias keys must be token ids (integers as strings)"
                 ) from None
-        return SamplingParams(
+        params = SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens,
             temperature=self.temperature,
@@ -109,7 +117,8 @@ class _SamplingFields(_Strict):
             logprobs=logprobs,
             top_logprobs_num=top_logprobs,
             logit_bias=bias,
-        ).normalize()
+        )
+        return params.fill_unset(defaults or {}, self.model_fields_set).normalize()
 
 
 class CompletionRequest(_SamplingFields):
@@ -332,15 +341,18 @@ class GenerateRequest(_Strict):
     log_metrics: Literal[True] = True
     no_logs: Literal[False] = False
 
-    def params(self) -> SamplingParams:
+    def params(self, defaults: Mapping[str, float] | None = None) -> SamplingParams:
+        """`defaults` (--sampling-defaults model) fill the sampling_params fields the body left out."""
         sp = self.sampling_params.model_dump(exclude=NATIVE_ONLY_SAMPLING_FIELDS)
         if sp["seed"] is None:
             sp["seed"] = self.sampling_params.sampling_seed
         sp["stop"] = sp["stop"] or []
         sp["stop_token_ids"] = sp["stop_token_ids"] or []
-        return SamplingParams(
-            **sp, logprobs=self.return_logprob, top_logprobs_num=self.top_logprobs_num
-        ).normalize()
+        return (
+            SamplingParams(**sp, logprobs=self.return_logprob, top_logprobs_num=self.top_logprobs_num)
+            .fill_unset(defaults or {}, self.sampling_params.model_fields_set)
+            .normalize()
+        )
 
 
 class AbortRequest(BaseModel):

@@ -132,7 +132,11 @@ def logprobs_completion(tokenizer, lps: list[TokenLogprob], start: int = 0) -> d
     return {
         "tokens": [_completion_token(tokenizer, lp.token_id) for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{_completion_token(tokenizer, t): v for t, v in (lp.top or [])} for lp in lps],
+        # an echoed prompt's first token has neither a logprob nor top logprobs: null, as OpenAI sends them
+        "top_logprobs": [
+            None if lp.logprob is None else {_completion_token(tokenizer, t): v for t, v in (lp.top or [])}
+            for lp in lps
+        ],
         "text_offset": offsets,
     }
 

@@ -17,8 +17,8 @@ from pydantic import Field
 from kiln.config import ServerArgs
 from kiln.loader.model_config import read_model_spec
 from kiln.models.spec import ModelSpec
-from kiln.sampling_params import InvalidParam, SamplingParams
-from kiln.scheduler.io import EngineState
+from kiln.sampling_params import MODEL_DEFAULT_FIELDS, InvalidParam, SamplingParams
+from kiln.scheduler.io import EngineState, PoolSpec
 from kiln.server.engine_client import EngineClient
 from kiln.server.openai_api import OpenAIServing
 from kiln.server.protocol import ChatMessage, _Strict
@@ -123,11 +123,14 @@ def detokenize(serving: OpenAIServing, body: DetokenizeRequest) -> dict:
     return {"text": texts if batch else texts[0]}
 
 
-async def health_generate(client: EngineClient, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
-    """SGLang's /health_generate: a one-token greedy generation; healthy when it gives its token, or when the
-    engine sends any other output meanwhile (a busy engine shows it is alive without the probe's turn)."""
+async def health_generate(
+    client: EngineClient, timeout: float = HEALTH_CHECK_TIMEOUT, pool: PoolSpec | None = None
+) -> bool:
+    """SGLang's /health_generate: a one-token greedy generation (an embedding server's `pool`: one token's
+    embedding); healthy when it gives its token, or when the engine sends any other output meanwhile (a busy engine
+    shows it is alive without the probe's turn)."""
     start = time.time()
-    probe = asyncio.ensure_future(_one_token(client))
+    probe = asyncio.ensure_future(_one_token(client, pool))
     try:
         while time.time() < start + timeout:
             done, _ = await asyncio.wait({probe}, timeout=0.05)
@@ -140,14 +143,14 @@ async def health_generate(client: EngineClient, timeout: float = HEALTH_CHECK_TI
         probe.cancel()  # aborts the probe in the engine if it is still running
 
 
-async def _one_token(client: EngineClient) -> bool:
-    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+async def _one_token(client: EngineClient, pool: PoolSpec | None = None) -> bool:
+    params = SamplingParams(max_new_tokens=0 if pool else 1, temperature=0.0)
     rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
-    async for out in client.generate([0], params, rid=rid, observe=False):
+    async for out in client.generate([0], params, rid=rid, observe=False, pool=pool):
         if out.error is not None:
             return False
         if out.new_ids or out.finished:
-            return bool(out.new_ids)
+            return bool(out.new_ids) or out.embedding is not None
     return False
 
 
@@ -159,14 +162,27 @@ def _model(model_path: str) -> ModelSpec | None:
         return None
 
 
-def model_info(args: ServerArgs, served_model_name: str) -> dict:
-    """SGLang's /model_info fields, with Kiln's values."""
+def default_sampling_params(defaults: dict[str, float]) -> dict[str, float]:
+    """What a request that sends none of MODEL_DEFAULT_FIELDS samples with: the model's `defaults` over
+    SamplingParams' own (OpenAI's)."""
+    plain = SamplingParams()
+    return {name: defaults.get(name, getattr(plain, name)) for name in MODEL_DEFAULT_FIELDS}
+
+
+def model_info(
+    args: ServerArgs,
+    served_model_name: str,
+    sampling_defaults: dict[str, float] | None = None,
+    is_generation: bool = True,
+) -> dict:
+    """SGLang's /model_info fields, with Kiln's values; then Kiln's own: --sampling-defaults and the defaults it
+    gives (SGLang reports neither; `sampling_defaults` are the model's, as the server read them at startup)."""
     model = _model(args.model_path) if args.model_path else None
     return {
         "model_path": args.model_path,
         "served_model_name": served_model_name,
         "tokenizer_path": args.tokenizer_path or args.model_path,
-        "is_generation": True,
+        "is_generation": is_generation,  # False on an embedding server (--is-embedding)
         "preferred_sampling_params": None,
         "weight_version": "default",
         "load_format": getattr(args, "load_format", "auto"),
@@ -177,6 +193,8 @@ def model_info(args: ServerArgs, served_model_name: str) -> dict:
         "has_audio_understanding": False,
         "model_type": model.model_type if model else None,
         "architectures": [model.architecture] if model else None,
+        "sampling_defaults": args.sampling_defaults,
+        "default_sampling_params": default_sampling_params(sampling_defaults or {}),
     }
 
 

@@ -1,7 +1,9 @@
-"""Startup as a state machine: launching -> building_kernels -> loading_weights -> allocating_kv -> capturing ->
-warming_up -> ready, or failed(phase, reason, hint). Read by the log, /status, the probes and the --startup-events
-file. building_kernels (CPU runs of Kiln's kernels only) loads Kiln's C++ extensions, compiling them on a first
-start (kiln.layers.kernel_builds); /status keeps what each load took under "kernels"."""
+"""Startup as a state machine: downloading -> launching -> building_kernels -> loading_weights -> allocating_kv ->
+capturing -> warming_up -> ready, or failed(phase, reason, hint). Read by the log, /status, the probes and the
+--startup-events file. downloading (a Hugging Face model id's start begins there) fetches the weights in the front
+process before the engine launches, its progress the bytes done and total and the rate (kiln.server.download).
+building_kernels (CPU runs of Kiln's kernels only) loads Kiln's C++ extensions, compiling them on a first start
+(kiln.layers.kernel_builds); /status keeps what each load took under "kernels"."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 logger = logging.getLogger("kiln")
 
 PHASES = [
+    "downloading",
     "launching",
     "building_kernels",
     "loading_weights",
@@ -25,8 +28,8 @@ PHASES = [
 
 
 class StartupState:
-    def __init__(self, events_file: str | None = None):
-        self.phase = "launching"
+    def __init__(self, events_file: str | None = None, first_phase: str = "launching"):
+        self.phase = first_phase
         self.progress: dict = {}
         self.timings: dict[str, float] = {}
         self.error: dict | None = None

@@ -31,6 +31,8 @@ class ChatTools:
     stream_reasoning: bool
     kimi_ids: bool  # Kimi K2 numbers its calls across the conversation (functions.NAME:K)
     history_calls: int
+    # GPT-OSS's harmony markup is special tokens, which its parsers read (SGLang keeps them for gpt-oss too)
+    keeps_special_tokens: bool = False
 
     @classmethod
     def of(cls, req: ChatCompletionRequest, tool_call_parser: str | None, reasoning_parser: str | None):
@@ -55,6 +57,7 @@ class ChatTools:
             stream_reasoning=req.stream_reasoning,
             kimi_ids=tool_call_parser == "kimi_k2",
             history_calls=sum(len(m.tool_calls or []) for m in req.messages if m.role == "assistant"),
+            keeps_special_tokens=reasoning_parser is not None and reasoning_format(reasoning_parser).harmony,
         )
 
     def template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -66,7 +69,7 @@ class ChatTools:
 
     def constrain(self, params: SamplingParams) -> str:
         """Sets what the tools ask of sampling; returns the request field a refused constraint is blamed on."""
-        if self.template_tools is not None:
+        if self.template_tools is not None or self.keeps_special_tokens:
             params.skip_special_tokens = False  # the markup of calls is often special tokens (SGLang's too)
         if self.schema is None:
             return "response_format"

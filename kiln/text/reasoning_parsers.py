@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.text.tool_parsers.cursor import partial_suffix
+from kiln.text.tool_parsers.harmony import split_harmony
 
 
 @dataclass(frozen=True)
@@ -17,12 +18,16 @@ class ReasoningFormat:
     always_opens: bool = False
     # a tool call's opening tag also ends the reasoning (Qwen 3 sometimes calls a tool without closing it)
     tool_start: str | None = None
+    # GPT-OSS's harmony channels (kiln/text/tool_parsers/harmony.py), read by their own rules: reasoning may
+    # come back after content, and the markup is special tokens, which the chat path then keeps in the text
+    harmony: bool = False
 
 
 REASONING_FORMATS: dict[str, ReasoningFormat] = {
     "deepseek-r1": ReasoningFormat("<think>", "</think>", always_opens=True),
     "qwen3": ReasoningFormat("<think>", "</think>", tool_start="<tool_call>"),
     "kimi": ReasoningFormat("◁think▷", "◁/think▷"),
+    "gpt-oss": ReasoningFormat("<|channel|>analysis<|message|>", "<|end|>", harmony=True),
 }
 REASONING_PARSER_NAMES = tuple(REASONING_FORMATS)
 
@@ -43,6 +48,9 @@ class Split:
 def split_reasoning(fmt: ReasoningFormat, text: str, opened: bool = False, final: bool = True) -> Split:
     """Reasoning and content of `text` (the output so far; all of it when `final`). `opened`: the prompt
     itself ends by opening the think block, so the output starts inside it."""
+    if fmt.harmony:
+        harmony = split_harmony(text, final, opened)
+        return Split(harmony.reasoning, harmony.content, not harmony.in_reasoning)
     body = text.lstrip()
     if body.startswith(fmt.start):
         while body.startswith(fmt.start):
@@ -105,5 +113,6 @@ class ReasoningStream:
         if split.content.startswith(self.sent_content):
             content = split.content[len(self.sent_content) :]
             self.sent_content = split.content
-        self.closed = split.closed and self.sent_reasoning == split.reasoning
+        # past the reasoning the rest is content as it comes, but for harmony, which may reason again
+        self.closed = split.closed and self.sent_reasoning == split.reasoning and not self.format.harmony
         return ReasoningDelta(reasoning, content)

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 constexpr int64_t kBlock = 16;  // output columns per block
@@ -386,14 +387,21 @@ torch::Tensor linear_q8_0(torch::Tensor x, torch::Tensor packed) { return linear
 // cpu_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                               torch::Tensor mask, double scale, int64_t shared);
+                               torch::Tensor mask, double scale, int64_t shared, torch::Tensor sinks);
 
 // kiln::decode_attention as the dispatcher calls it from a compiled step, where the shared prefix's width is a
 // one-element tensor (cpu_gemm.py defines the schema): C++ throughout, no Python frame per layer
 torch::Tensor decode_attention_op(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                   const torch::Tensor& table, const torch::Tensor& mask, double scale,
                                   const torch::Tensor& shared) {
-  return decode_attention(q, k_cache, v_cache, table, mask, scale, shared.item<int64_t>());
+  return decode_attention(q, k_cache, v_cache, table, mask, scale, shared.item<int64_t>(), torch::Tensor());
+}
+
+// the Python binding's: no sinks unless given (None)
+torch::Tensor decode_attention_py(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                                  torch::Tensor mask, double scale, int64_t shared,
+                                  std::optional<torch::Tensor> sinks) {
+  return decode_attention(q, k_cache, v_cache, table, mask, scale, shared, sinks.value_or(torch::Tensor()));
 }
 
 torch::Tensor rms_norm_op(const torch::Tensor& x, const torch::Tensor& w, double eps) { return rms_norm(x, w, eps); }
@@ -413,7 +421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_avx512", &set_avx512, "pin the float32 tiles to AVX-512 (true) or AVX2 (false)");
   m.def("avx512_enabled", &avx512_enabled, "whether the float32 tiles take the AVX-512 path");
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * w over the last dimension");
-  m.def("decode_attention", &decode_attention, "one token per request over its KV slots in the pool",
+  m.def("decode_attention", &decode_attention_py, "one token per request over its KV slots in the pool",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("mask"), py::arg("scale"),
-        py::arg("shared") = 0);
+        py::arg("shared") = 0, py::arg("sinks") = py::none());
 }

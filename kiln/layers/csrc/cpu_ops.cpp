@@ -324,6 +324,14 @@ static inline void softmax_in_place(float* s, int64_t n) {
   for (int64_t l = 0; l < n; ++l) s[l] *= inv;
 }
 
+// softmax over s[0..n) and one more logit, `sink`, whose share goes to no entry (GPT-OSS's attention sinks): every
+// entry is scaled by exp(s - top) / (sum + exp(sink - top)), so a row with no valid entry gives zeros
+static inline void softmax_with_sink_in_place(float* s, int64_t n, float sink) {
+  const float top = std::max(max_of(s, n), sink);
+  const float inv = 1.f / (exp_and_sum(s, n, top) + std::exp(sink - top));
+  for (int64_t l = 0; l < n; ++l) s[l] *= inv;
+}
+
 // the dot products q_g . rows[j] of G query heads (q + g * d) and 4 K rows, d a multiple of 8, as 4 floats per head
 // in out[g]: each K vector is loaded once for the G heads (4 x G accumulators, G <= 3 with the loads in registers).
 // Each product: 8 lanes accumulated over d in order, then lanes summed by one fixed tree (hadd, hadd, halves).
@@ -393,6 +401,7 @@ struct DecodeCall {
   int64_t stride;  // len rounded up to whole tiles: a score row's width (the padding columns are -inf)
   float scale;
   std::atomic<bool>* bad_slot;
+  const float* sinks;  // [Hq] a logit per query head in every row's softmax, or null
 
   // a tile of row b from column l0: its eight K rows and which to skip (columns past the table's end included)
   void tile(int64_t b, int64_t h, int64_t l0, const T** rows, bool* skip) const {
@@ -450,7 +459,13 @@ struct DecodeCall {
     const int64_t h = w % hk, b0 = (w / hk) * chunk, b1 = std::min(b_size, b0 + chunk);
     score(h, b0, b1, scores.data());
     // over whole tiles (the padding is -inf): no scalar tail whose sum order would depend on the table's width
-    for (int64_t i = 0; i < (b1 - b0) * group; ++i) softmax_in_place(scores.data() + i * stride, stride);
+    for (int64_t i = 0; i < (b1 - b0) * group; ++i) {
+      float* row = scores.data() + i * stride;
+      if (sinks)
+        softmax_with_sink_in_place(row, stride, sinks[h * group + i % group]);
+      else
+        softmax_in_place(row, stride);
+    }
     weigh(h, b0, b1, scores.data());
   }
 };
@@ -469,7 +484,7 @@ static void decode_attention_over(const DecodeCall<T>& call) {
 template <typename T>
 static void decode_attention_as(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                 const torch::Tensor& table, const torch::Tensor& mask, float scale, int64_t shared,
-                                torch::Tensor& out) {
+                                const torch::Tensor& sinks, torch::Tensor& out) {
   std::atomic<bool> bad_slot{false};
   const int64_t hq = q.size(1), hk = k_cache.size(1);
   const DecodeCall<T> call{q.data_ptr<float>(),
@@ -489,7 +504,8 @@ static void decode_attention_as(const torch::Tensor& q, const torch::Tensor& k_c
                            shared > 0 ? 8 : 1,  // requests per work item
                            (table.size(1) + 7) / 8 * 8,
                            scale,
-                           &bad_slot};
+                           &bad_slot,
+                           sinks.defined() ? sinks.data_ptr<float>() : nullptr};
   decode_attention_over(call);
   TORCH_CHECK(!bad_slot, "decode_attention: a valid entry of the table is outside the KV pool");
 }
@@ -500,9 +516,10 @@ static void decode_attention_as(const torch::Tensor& q, const torch::Tensor& k_c
 // valid). Heads are grouped (Hq / Hk query heads share a KV head), as in the model: each K and V row is read once
 // for its group. `shared`: the table's first `shared` columns (a multiple of 8) are the same valid slots in every
 // row, a common prefix: each of those K and V rows is then read once for a chunk of requests, from L1, instead of
-// once per request. The arithmetic per request is the same either way (same tiles, same order).
+// once per request. The arithmetic per request is the same either way (same tiles, same order). `sinks` [Hq] (or an
+// undefined or empty tensor: none): a logit per query head in every row's softmax whose share goes to no slot.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                               torch::Tensor mask, double scale, int64_t shared) {
+                               torch::Tensor mask, double scale, int64_t shared, torch::Tensor sinks) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: float32 q");
   TORCH_CHECK(v_cache.scalar_type() == kv && (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf ||
@@ -514,20 +531,23 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous KV pool");
   TORCH_CHECK(shared >= 0 && shared % 8 == 0 && shared <= table.size(1), "decode_attention: shared % 8 == 0");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2), "decode_attention: head shapes");
+  const bool with_sinks = sinks.defined() && sinks.numel() > 0;
+  TORCH_CHECK(!with_sinks || (sinks.dim() == 1 && sinks.size(0) == q.size(1)), "decode_attention: sinks [Hq]");
+  sinks = with_sinks ? sinks.to(at::kFloat).contiguous() : torch::Tensor();
   q = q.contiguous();
   table = table.to(at::kLong).contiguous();
   if (mask.numel() > 0) mask = mask.reshape({table.size(0), table.size(1)}).to(at::kBool).contiguous();
   auto out = torch::zeros_like(q);
   const float sc = static_cast<float>(scale);
   if (kv == at::kFloat)
-    decode_attention_as<float>(q, k_cache, v_cache, table, mask, sc, shared, out);
+    decode_attention_as<float>(q, k_cache, v_cache, table, mask, sc, shared, sinks, out);
   else if (kv == at::kBFloat16)
-    decode_attention_as<Bf16>(q, k_cache, v_cache, table, mask, sc, shared, out);
+    decode_attention_as<Bf16>(q, k_cache, v_cache, table, mask, sc, shared, sinks, out);
   else if (kv == at::kHalf)
-    decode_attention_as<Half>(q, k_cache, v_cache, table, mask, sc, shared, out);
+    decode_attention_as<Half>(q, k_cache, v_cache, table, mask, sc, shared, sinks, out);
   else if (kv == at::kFloat8_e4m3fn)
-    decode_attention_as<E4m3>(q, k_cache, v_cache, table, mask, sc, shared, out);
+    decode_attention_as<E4m3>(q, k_cache, v_cache, table, mask, sc, shared, sinks, out);
   else
-    decode_attention_as<E5m2>(q, k_cache, v_cache, table, mask, sc, shared, out);
+    decode_attention_as<E5m2>(q, k_cache, v_cache, table, mask, sc, shared, sinks, out);
   return out;
 }

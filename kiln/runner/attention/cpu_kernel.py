@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.core.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode, ShortExtends
-from kiln.layers.cpu_gemm import cpu_decode_attention
+from kiln.layers.cpu_gemm import cpu_decode_attention, cpu_decode_attention_sinks
 from kiln.runner.attention import windowed
 from kiln.runner.attention.torch_sdpa import TorchSdpaBackend
 
@@ -49,15 +49,20 @@ class CpuKernelBackend(TorchSdpaBackend):
         scale: float,
         window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A window is the kernel's mask narrowed to each row's last `window` slots (no prefix is then shared by
-        every row); softcapped scores the kernel does not compute."""
-        if softcap is not None:
-            return super().decode_windowed(layer, q, fb, scale, window, softcap)
+        every row); sinks are the kernel's too, eagerly (a compiled step takes them in torch ops); softcapped scores
+        the kernel does not compute."""
+        compiling = torch.compiler.is_compiling()
+        if softcap is not None or (sinks is not None and compiling):
+            return super().decode_windowed(layer, q, fb, scale, window, softcap, sinks)
         k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
-        # the compiled op takes the shared width as a tensor (an input of the step elsewhere)
-        none_shared = torch.zeros(1, dtype=torch.int64) if torch.compiler.is_compiling() else 0
         mask = windowed.decode_mask(fb, window)
+        if sinks is not None:
+            return cpu_decode_attention_sinks(q, k, v, fb.kv_table, mask, scale, sinks)
+        # the compiled op takes the shared width as a tensor (an input of the step elsewhere)
+        none_shared = torch.zeros(1, dtype=torch.int64) if compiling else 0
         return cpu_decode_attention()(q, k, v, fb.kv_table, mask, scale, none_shared)
 
     def _run_short_extends(

@@ -61,6 +61,7 @@ class MlaBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise TypeError("latent attention has no K and V of its own: the layer calls forward_latent")
 

@@ -1,8 +1,9 @@
 """Attention over the paged KV pool with Kiln's Triton kernels (kiln.layers.triton_attention): decode split-K over
 each request's KV table, extend over each request's cached prefix and its own new tokens, all requests of a step in
 one launch. `--attention-backend triton`; on CUDA the kernels compile for the GPU, elsewhere they run in Triton's
-interpreter (TRITON_INTERPRET=1), which is how the CPU tests check them. The kernels have no sliding window and no
-softcap: layers with either attend through kiln.runner.attention.windowed (AttentionBackend.forward)."""
+interpreter (TRITON_INTERPRET=1), which is how the CPU tests check them. Both take a layer's sliding window (decode
+as its mask) and attention sinks (decode in the merge of its splits); softcapped scores attend through
+kiln.runner.attention.windowed (AttentionBackend.forward)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from kiln.core.forward_batch import AttentionMetadata, ExtendSpans, ForwardBatch, ForwardMode
 from kiln.layers import triton_attention
 from kiln.memory.kv_pool import KVPool
+from kiln.runner.attention import windowed
 from kiln.runner.attention.base import AttentionBackend
 
 # SGLang's --triton-attention-num-kv-splits default: the most chunks a decode row's KV is cut into
@@ -72,6 +74,55 @@ class TritonBackend(AttentionBackend):
         k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
         return triton_attention.decode_attention(
             q, k, v, fb.kv_table, mask, scale, meta.kv_splits, ends=self._row_ends(fb.kv_mask, mask)
+        )
+
+    def extend_windowed(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The extend kernel with the layer's window and sinks; softcapped scores it does not compute."""
+        if softcap is not None or fb.attn is None or fb.attn.spans is None:
+            return super().extend_windowed(layer, q, k, v, fb, scale, window, softcap, sinks)
+        s = fb.attn.spans
+        return triton_attention.extend_attention(
+            q, k, v, self.kv_pool.k[layer], self.kv_pool.v[layer], s.prefix_slots, s.prefix_start,
+            s.prefix_lens, s.ext_start, s.ext_lens, s.max_ext, scale, window=window, sinks=sinks,
+        )  # fmt: skip
+
+    def decode_windowed(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The split-K kernel over each row's last `window` slots (the mask narrowed) and with the layer's sinks;
+        softcapped scores it does not compute."""
+        if softcap is not None or fb.attn is None:
+            return super().decode_windowed(layer, q, fb, scale, window, softcap, sinks)
+        mask = windowed.decode_mask(fb, window)
+        k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        return triton_attention.decode_attention(
+            q,
+            k,
+            v,
+            fb.kv_table,
+            mask,
+            scale,
+            fb.attn.kv_splits,
+            ends=triton_attention.row_ends(mask),
+            sinks=sinks,
         )
 
     def _row_ends(self, step_mask: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:

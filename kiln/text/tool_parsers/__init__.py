@@ -16,6 +16,7 @@ from kiln.text.tool_parsers.formats import (
     MistralFormat,
     ToolCallFormat,
 )
+from kiln.text.tool_parsers.harmony import GptOssFormat
 from kiln.text.tool_parsers.scan import CallDraft, Checkpoint, scan
 
 FORMATS: dict[str, type[ToolCallFormat]] = {
@@ -26,6 +27,7 @@ FORMATS: dict[str, type[ToolCallFormat]] = {
     "mistral": MistralFormat,
     "deepseekv3": DeepSeekV3Format,
     "kimi_k2": KimiK2Format,
+    "gpt-oss": GptOssFormat,
 }
 PARSER_NAMES = tuple(FORMATS)
 # what tool_choice `required` or a named function constrains the output to, whatever the model's family
@@ -69,7 +71,8 @@ class StreamDelta:
 
 def parse_tool_calls(parser: str, text: str, tools: Iterable[str]) -> ParsedOutput:
     """The whole output's content and calls; `tools` are the names the request declares."""
-    read = scan(tool_call_format(parser), text, frozenset(tools), final=True)
+    fmt = tool_call_format(parser)
+    read = scan(fmt, fmt.visible(text, final=True), frozenset(tools), final=True)
     return ParsedOutput(read.content, tuple(ToolCall(c.name or "", c.arguments) for c in read.calls))
 
 
@@ -99,7 +102,8 @@ class ToolCallStream:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> StreamDelta:
-        read = scan(self.format, self.text, self.names, final, self.checkpoint)
+        text = self.format.visible(self.text, final)
+        read = scan(self.format, text, self.names, final, self.checkpoint)
         self.checkpoint = read.checkpoint
         content = ""
         if read.content.startswith(self.sent_content):

@@ -31,6 +31,11 @@ class ToolCallFormat:
 
     markers: tuple[str, ...] = ()
 
+    def visible(self, text: str, final: bool) -> str:
+        """The output as calls are read in: all of it, but where it mixes channels (harmony) what the user sees.
+        A longer output's reading must extend a shorter one's, as the stream reads it again at every piece."""
+        return text
+
     def region_start(self, text: str, pos: int) -> int | None:
         found = [i for i in (text.find(marker, pos) for marker in self.markers) if i >= 0]
         return min(found) if found else None
