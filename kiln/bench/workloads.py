@@ -6,7 +6,6 @@ Every prompt length is counted with the model's tokenizer (special tokens exclud
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -299,8 +298,12 @@ def load_tokenizer(path: str | None) -> Any:
         from kiln.loader.default_model import default_model_path
 
         path = default_model_path()
+    if path.endswith(".gguf"):
+        # the conversion the server runs, kept on disk after its first run: the same token counts as the
+        # server's, and no re-read of the whole GGUF vocabulary (seconds) at every bench start
+        from kiln.loader.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     return AutoTokenizer.from_pretrained(path)
