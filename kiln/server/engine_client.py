@@ -208,11 +208,11 @@ class EngineClient:
     ) -> None:
         self._send.send_pyobj(AbortReq(rid, abort_all, message))
 
-    async def control(self, kind: str, timeout: float = 30.0) -> ControlOut:
+    async def control(self, kind: str, timeout: float = 30.0, args: dict | None = None) -> ControlOut:
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
         self.controls[cid] = fut
-        self._send.send_pyobj(ControlReq(kind, cid))
+        self._send.send_pyobj(ControlReq(kind, cid, args or {}))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

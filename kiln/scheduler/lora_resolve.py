@@ -1,0 +1,73 @@
+"""The LoRA flags resolved once, for `kiln plan`, `kiln serve` and `kiln.Engine` alike: the refusals, the slots'
+rank and projections from --lora-paths' adapter configs where the flags leave them out, and the steps that run
+eagerly under LoRA."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kiln.config import ServerArgs, lora_modules, lora_path_pairs
+from kiln.layers.lora import TARGET_MODULES
+from kiln.loader.lora_adapter import AdapterError, read_adapter_config
+from kiln.models.spec import ModelSpec
+from kiln.platform import Platform
+
+
+def lora_refusal(args: ServerArgs, model: ModelSpec) -> str | None:
+    """What Kiln cannot serve LoRA adapters with."""
+    if not args.enable_lora:
+        return None
+    if model.lora_problem:
+        return f"--enable-lora: {model.lora_problem}"
+    if args.tp_size > 1:
+        return (
+            f"--enable-lora with --tp-size {args.tp_size}: Kiln's adapter slots are not sharded across ranks yet; "
+            "serve with --tp-size 1 (or replicas: --dp-size)"
+        )
+    if args.speculative_algorithm:
+        return f"--enable-lora with --speculative-algorithm {args.speculative_algorithm}: the draft has no adapters"
+    if args.is_embedding:
+        return "--enable-lora: an embedding server runs the base model only"
+    return None
+
+
+def delta_method(args: ServerArgs, device: str) -> str:
+    """The LoRA delta's method (kiln.layers.lora): Triton's kernels on CUDA, torch's (dense or grouped, by the
+    batch) on the CPU, or what --lora-backend asks for."""
+    if args.lora_backend == "triton" or (args.lora_backend == "auto" and device.startswith("cuda")):
+        return "triton"
+    return "torch"
+
+
+def resolve_lora(args: ServerArgs, target: Platform) -> ServerArgs:
+    """args with --max-lora-rank and --lora-target-modules filled from the startup adapters' configs (all
+    projections when neither says), and the graphs LoRA steps cannot use turned off: prefill graphs always, decode
+    graphs unless the Triton kernels compute the delta (they read each row's slot on the device). Raises
+    ValueError naming the flag or the adapter."""
+    if not args.enable_lora:
+        return args
+    configs = []
+    for name, path in lora_path_pairs(args.lora_paths):
+        try:
+            configs.append(read_adapter_config(name, path))
+        except AdapterError as e:
+            raise ValueError(f"--lora-paths: {e}") from None
+    rank = args.max_lora_rank or max((c.rank for c in configs), default=0)
+    if not rank:
+        raise ValueError("--enable-lora without --lora-paths needs --max-lora-rank: the slots' rank")
+    for c in configs:
+        if c.rank > rank:
+            raise ValueError(f"--lora-paths {c.path}: rank {c.rank} is above --max-lora-rank {rank}")
+    modules = lora_modules(args.lora_target_modules)
+    if not modules:
+        named = {m for c in configs for m in c.target_modules}
+        modules = tuple(m for m in TARGET_MODULES if m in named) if named <= set(TARGET_MODULES) else ()
+        modules = modules or TARGET_MODULES  # "all-linear", a pattern, or no adapter yet: every projection
+    eager = delta_method(args, target.device) != "triton"
+    return replace(
+        args,
+        max_lora_rank=rank,
+        lora_target_modules=modules,
+        disable_cuda_graph=args.disable_cuda_graph or eager,
+        disable_prefill_graph=True,
+    )
