@@ -10,7 +10,6 @@ from kiln.config import ServerArgs, lora_modules, lora_path_pairs
 from kiln.layers.lora import TARGET_MODULES
 from kiln.loader.lora_adapter import AdapterError, read_adapter_config
 from kiln.models.spec import ModelSpec
-from kiln.platform import Platform
 
 
 def lora_refusal(args: ServerArgs, model: ModelSpec) -> str | None:
@@ -26,6 +25,11 @@ def lora_refusal(args: ServerArgs, model: ModelSpec) -> str | None:
         )
     if args.speculative_algorithm:
         return f"--enable-lora with --speculative-algorithm {args.speculative_algorithm}: the draft has no adapters"
+    if args.hicache_storage_backend:
+        return (
+            f"--enable-lora with --hicache-storage-backend {args.hicache_storage_backend}: stored KV outlives the "
+            "server, and an adapter's prefixes are keyed by its load, not its weights; serve LoRA without it"
+        )
     if args.is_embedding:
         return "--enable-lora: an embedding server runs the base model only"
     return None
@@ -39,11 +43,11 @@ def delta_method(args: ServerArgs, device: str) -> str:
     return "torch"
 
 
-def resolve_lora(args: ServerArgs, target: Platform) -> ServerArgs:
+def resolve_lora(args: ServerArgs) -> ServerArgs:
     """args with --max-lora-rank and --lora-target-modules filled from the startup adapters' configs (all
-    projections when neither says), and the graphs LoRA steps cannot use turned off: prefill graphs always, decode
-    graphs unless the Triton kernels compute the delta (they read each row's slot on the device). Raises
-    ValueError naming the flag or the adapter."""
+    projections when neither says), and graphs off: every LoRA step runs eagerly. (The Triton kernels read each
+    row's slot from a buffer of fixed address, so a captured decode step could replay them; that has not been run
+    on a GPU yet, so it is not turned on.) Raises ValueError naming the flag or the adapter."""
     if not args.enable_lora:
         return args
     configs = []
@@ -63,11 +67,10 @@ def resolve_lora(args: ServerArgs, target: Platform) -> ServerArgs:
         named = {m for c in configs for m in c.target_modules}
         modules = tuple(m for m in TARGET_MODULES if m in named) if named <= set(TARGET_MODULES) else ()
         modules = modules or TARGET_MODULES  # "all-linear", a pattern, or no adapter yet: every projection
-    eager = delta_method(args, target.device) != "triton"
     return replace(
         args,
         max_lora_rank=rank,
         lora_target_modules=modules,
-        disable_cuda_graph=args.disable_cuda_graph or eager,
+        disable_cuda_graph=True,
         disable_prefill_graph=True,
     )
