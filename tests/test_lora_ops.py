@@ -74,3 +74,24 @@ def test_lora_paths_forms() -> None:
     assert ServerArgs(lora_paths=("a=/x",)).enable_lora  # SGLang: adapters to load turn LoRA on
     with pytest.raises(ValueError, match="--max-loaded-loras 2 must be >= --max-loras-per-batch 8"):
         ServerArgs(enable_lora=True, max_loaded_loras=2)
+
+
+def test_plan_prints_the_slot_pool(capsys, model_dir) -> None:
+    """`kiln plan --enable-lora` prints the slots as a ledger line: per layer, a merged qkv (all three parts once
+    q is targeted) and down_proj, A and B of 8 slots x rank 8 in float32, plus a float32 scaling per slot."""
+    import kiln.plan as plan
+
+    tiny = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    argv = ["--model-path", model_dir(tiny), "--device", "cpu", "--device-memory", "24GiB", "--enable-lora"]
+    argv += ["--max-lora-rank", "8", "--lora-target-modules", "q_proj", "down_proj"]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    qkv = 8 * 8 * (3 * 64 + 64 + 32 + 32)  # A: 3 parts x in 64; B: q 64 + k 32 + v 32 outputs
+    down = 8 * 8 * (128 + 64)
+    expected = 2 * (qkv + down) * 4 + 8 * 4
+    line = next(x for x in out.splitlines() if x.strip().startswith("lora adapter slots"))
+    assert f"{expected:,} B" in line and "q_proj down_proj" in line
