@@ -22,7 +22,12 @@ from kiln.scheduler.io import EngineState, SchedulerStats, ServerInfo
 from kiln.server.bodies import decode_json, read_body
 from kiln.server.embeddings import EmbeddingRequest, EncodeRequest, PooledAborted, PoolingServing
 from kiln.server.engine_client import EngineClient
-from kiln.server.lora_routes import LoraNames, add_lora_routes
+from kiln.server.lora_routes import (
+    LoadLoraAdapterRequest,
+    LoraNames,
+    UnloadLoraAdapterRequest,
+    add_lora_routes,
+)
 from kiln.server.openai_api import EngineRequestError, OpenAIServing
 from kiln.server.protocol import (
     AbortRequest,
@@ -73,6 +78,8 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     "/encode": EncodeRequest,
     "/v1/score": ScoringRequest,
     "/v1/rerank": RerankRequest,
+    "/load_lora_adapter": LoadLoraAdapterRequest,
+    "/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 
 
