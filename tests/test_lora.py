@@ -162,3 +162,25 @@ def test_target_module_outside_the_slots_is_refused(tiny_llama, adapters) -> Non
             lora_target_modules=("q_proj", "v_proj"),
             **ARGS,
         )
+
+
+def test_chunked_prompts_on_one_slot(tiny_llama, adapters) -> None:
+    """Prompts chunked 64 tokens at a time, two adapters and the base sharing a single slot: each adapter's
+    requests hold the slot through all their chunks and decode steps, the other's wait and then overwrite it."""
+    stream = token_stream()
+    prompts = [make_prompt(stream, 150 + 7 * i, 300 + 31 * i) for i in range(2)]
+    want = {}
+    for name in (None, "alpha", "beta"):
+        model = merged_model(tiny_llama, adapters[name] if name else None)
+        with torch.inference_mode():
+            want[name] = [hf_greedy(model, p, NEW, set())[0] for p in prompts]
+    paths = tuple(f"{n}={adapters[n]}" for n in ("alpha", "beta"))
+    args = {**ARGS, "max_loras_per_batch": 1, "chunked_prefill_size": 64}
+    eng = kiln.Engine(model_path=tiny_llama, lora_paths=paths, **args)
+    try:
+        batch = [(p, n) for p in prompts for n in ("alpha", None, "beta")]
+        got = run(eng, [p for p, _ in batch], [n for _, n in batch])
+        assert got == [want[n][prompts.index(p)] for p, n in batch]
+        assert eng.check_integrity()["ok"]
+    finally:
+        eng.shutdown()
