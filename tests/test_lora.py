@@ -114,7 +114,19 @@ def test_more_adapters_than_slots_take_turns(engine, adapters, prompts, want) ->
     got = run(engine, [p for p, _ in batch], [n for _, n in batch])
     expected = [(gamma if n == "gamma" else want[n])[prompts.index(p)] for p, n in batch]
     assert got == expected
-    assert engine.unload_lora_adapter("gamma")["success"]
+    # unloaded while its requests run or wait for a slot (alpha and beta hold both): they still end on it
+    params = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+    loras = ["alpha", "beta", "gamma"]
+    stream = engine.generate(
+        input_ids=[prompts[0]] * 3, sampling_params=[params] * 3, lora_path=loras, stream=True
+    )
+    outs = {0: None, 1: None, 2: None}
+    for i, chunk in enumerate(stream):
+        if i == 0:
+            assert engine.unload_lora_adapter("gamma")["success"]
+        outs[chunk["index"]] = chunk["output_ids"]
+    assert [outs[i] for i in range(3)] == [want["alpha"][0], want["beta"][0], gamma[0]]
+    assert not engine.scheduler.runner.lora.retiring  # forgotten once its request ended
     with pytest.raises(InvalidParam, match="gamma"):
         run(engine, prompts[:1], ["gamma"])
     assert not engine.unload_lora_adapter("gamma")["success"]

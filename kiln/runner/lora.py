@@ -75,6 +75,9 @@ class LoraManager:
             linear.lora = weights
             self.layers.append((layer, weights))
         self.adapters: dict[str, LoraAdapter] = {}
+        self.retiring: dict[
+            int, LoraAdapter
+        ] = {}  # unloaded, by uid, until the requests accepted on them end
         self._uids = itertools.count(1)
         logger.info(
             f"LoRA slots are allocated. #slots: {s}, max rank: {r}, modules: {' '.join(settings.target_modules)}, "
@@ -107,14 +110,23 @@ class LoraManager:
         )
         return adapter
 
-    def unload(self, name: str) -> None:
+    def unload(self, name: str, referenced: set[int]) -> None:
+        """Unload adapter `name`: new requests can no longer name it. Requests already accepted on it
+        (`referenced`: the uids live requests hold) still run on it: it is retired, kept until they end (retire)."""
         adapter = self.adapters.pop(name, None)
         if adapter is None:
             raise AdapterError(f"LoRA adapter {name!r} is not loaded")
-        slot = self.slots.drop(adapter.uid)
-        if slot is not None:
-            self._clear(slot)
+        self.retiring[adapter.uid] = adapter
+        self.retire(referenced)
         logger.info(f"LoRA adapter {name!r} unloaded")
+
+    def retire(self, referenced: set[int]) -> None:
+        """Forget the unloaded adapters no live request holds (`referenced`), emptying their slots."""
+        for uid in [u for u in self.retiring if u not in referenced]:
+            del self.retiring[uid]
+            slot = self.slots.drop(uid)
+            if slot is not None:
+                self._clear(slot)
 
     def uid_of(self, name: str) -> int:
         adapter = self.adapters.get(name)
@@ -137,7 +149,7 @@ class LoraManager:
     def acquire(self, uid: int) -> int | None:
         """Pin adapter `uid` into a slot, writing its weights there if they are not: the slot, or None when every
         slot is pinned by other adapters (the request waits). Raises AdapterError for an adapter unloaded since."""
-        adapter = next((a for a in self.adapters.values() if a.uid == uid), None)
+        adapter = next((a for a in self.adapters.values() if a.uid == uid), None) or self.retiring.get(uid)
         if adapter is None and self.slots.slot_of(uid) is None:
             raise AdapterError("its LoRA adapter was unloaded before the request started")
         taken = self.slots.take(uid)

@@ -54,9 +54,14 @@ class AdapterPins:
             self.lora.release(req.lora_slot)
             req.lora_slot = None
 
-    def control(self, kind: str, args: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    def retire(self, live: list[Req]) -> None:
+        """After a request's end: unloaded adapters that no live request holds any more are forgotten."""
+        if self.lora is not None and self.lora.retiring:
+            self.lora.retire({r.lora_uid for r in live})
+
+    def control(self, kind: str, args: dict[str, Any], live: list[Req]) -> tuple[bool, dict[str, Any]]:
         """load_lora_adapter {lora_name, lora_path} | unload_lora_adapter {lora_name}: (ok, the adapters loaded
-        now, or the error)."""
+        now, or the error). An unloaded adapter's requests already accepted (`live`) still run on it."""
         if self.lora is None:
             return False, {"error": LORA_OFF}
         name = args.get("lora_name")
@@ -64,7 +69,7 @@ class AdapterPins:
             if kind == "load_lora_adapter":
                 self.lora.load(str(name), str(args.get("lora_path")))
             else:
-                self.lora.unload(str(name))
+                self.lora.unload(str(name), {r.lora_uid for r in live})
         except AdapterError as e:
             return False, {"error": str(e)}
         return True, {"loaded_adapters": self.lora.listing()}

@@ -509,7 +509,7 @@ class Scheduler(StepCycle, OverlapSchedule):
 
     def lora_control(self, kind: str, args: dict) -> tuple[bool, dict]:
         """Load or unload a LoRA adapter between steps: a running request keeps the slot it pinned."""
-        return self.lora_slots.control(kind, args)
+        return self.lora_slots.control(kind, args, list(self.reqs.values()))
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running or self.chunked or self.grammar_queue:

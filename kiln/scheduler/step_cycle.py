@@ -251,6 +251,7 @@ class StepCycle:
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
         self.lora_slots.unpin(req)
+        self.lora_slots.retire(list(self.reqs.values()))
         if self.spec is not None:
             self.spec.release(req.rid)
         # both at the end, as SGLang counts them: a hit rate over a window reads them together
