@@ -77,7 +77,7 @@ CASES = {
     "lora adapter that is not there": Case("llama", ("--enable-lora", "--lora-paths", "a=b"), True),
     "lora slots without an adapter yet": Case("llama", ("--enable-lora", "--max-lora-rank", "8"), False),
     "lora without a rank": Case("llama", ("--enable-lora",), True),
-    "lora with tp 2": Case("llama", ("--enable-lora", "--max-lora-rank", "8", "--tp-size", "2"), True),
+    "lora with tp 2": Case("llama", ("--enable-lora", "--max-lora-rank", "8", "--tp-size", "2"), False),
     "lora on a hybrid": Case("hybrid", ("--enable-lora", "--max-lora-rank", "8"), True),
     "hicache with a hybrid": Case("hybrid", ("--enable-hierarchical-cache",), True),
     "speculation with a hybrid": Case("hybrid", ("--speculative-algorithm", "NGRAM"), True),

@@ -22,9 +22,36 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.core.sharding import kv_heads_per_rank
+
 # the target modules Kiln serves, in PEFT's names; a merged projection's parts are its sub-projections
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+ROW_PARALLEL = ("o_proj", "down_proj")  # their input is split across ranks; the others' output is
+
+
+@dataclass(frozen=True)
+class PartShard:
+    """One rank's share of a sub-projection's LoRA weights, as the base weight is split (kiln.layers.linear): a
+    column-parallel part keeps B's rows [out_start, + out_size) and all of A; a row-parallel one A's columns
+    [in_start, + in_size) and all of B (its partial delta is summed by the layer's all-reduce)."""
+
+    in_start: int
+    in_size: int
+    out_start: int
+    out_size: int
+
+
+def part_shard(
+    module: str, shape: tuple[int, int], num_kv_heads: int, head_dim: int, tp: int, rank: int
+) -> PartShard:
+    in_f, out_f = shape
+    if module in ROW_PARALLEL:
+        return PartShard(rank * (in_f // tp), in_f // tp, 0, out_f)
+    if module in ("k_proj", "v_proj"):  # kv heads replicated when there are more ranks than heads
+        size = kv_heads_per_rank(num_kv_heads, tp) * head_dim
+        return PartShard(0, in_f, rank // max(1, tp // num_kv_heads) * size, size)
+    return PartShard(0, in_f, rank * (out_f // tp), out_f // tp)
 
 
 @dataclass

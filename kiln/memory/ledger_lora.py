@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from kiln.core.dtypes import dtype_bytes
-from kiln.layers.lora import MERGED_PARTS, TARGET_MODULES
+from kiln.layers.lora import MERGED_PARTS, TARGET_MODULES, part_shard
 from kiln.models.spec import ModelSpec
 
 
@@ -15,16 +15,19 @@ def projection_groups(modules: tuple[str, ...]) -> list[tuple[str, ...]]:
     return groups + [(m,) for m in TARGET_MODULES if m in modules and m not in merged]
 
 
-def lora_slot_bytes(model: ModelSpec, slots: int, rank: int, modules: tuple[str, ...], dtype: str) -> int:
+def lora_slot_bytes(
+    model: ModelSpec, slots: int, rank: int, modules: tuple[str, ...], dtype: str, tp: int = 1
+) -> int:
     """Per layer and projection A [slots, parts x rank, in] and B [slots, rank, out] per part, in the model's
-    dtype; and a float32 scaling per slot."""
+    dtype, one rank's share (kiln.layers.lora.part_shard); and a float32 scaling per slot."""
     if slots <= 0:
         return 0
     shapes, element = model.projection_shapes(), dtype_bytes(dtype)
     per_layer = 0
     for parts in projection_groups(modules):
-        in_features = shapes[parts[0]][0]
-        per_layer += slots * rank * (len(parts) * in_features + sum(shapes[p][1] for p in parts)) * element
+        shards = [part_shard(p, shapes[p], model.num_kv_heads, model.head_dim, tp, 0) for p in parts]
+        in_features = shards[0].in_size
+        per_layer += slots * rank * (len(parts) * in_features + sum(s.out_size for s in shards)) * element
     return per_layer * model.num_layers + slots * 4
 
 

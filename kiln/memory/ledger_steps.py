@@ -55,7 +55,7 @@ def static_bytes(inputs: LedgerInputs) -> StaticBytes:
         packed_head = blocks.head_bytes or packed_head
     draft = inputs.draft
     draft_weights = draft.weight_bytes(tp, element_bytes, inputs.fp8_weights_kept) if draft else 0
-    lora = lora_slot_bytes(model, inputs.lora_slots, inputs.lora_rank, inputs.lora_modules, inputs.dtype)
+    lora = lora_slot_bytes(model, inputs.lora_slots, inputs.lora_rank, inputs.lora_modules, inputs.dtype, tp)
     return StaticBytes(weights, packed_head, draft_weights, blocks, prepacked and inputs.int8_linears, lora)
 
 

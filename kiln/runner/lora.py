@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from kiln.core.units import gib
+from kiln.distributed import tp_rank, tp_size
 from kiln.layers.linear import _PrepackableLinear
-from kiln.layers.lora import MERGED_PARTS, LoraBatch, LoraWeights
+from kiln.layers.lora import MERGED_PARTS, LoraBatch, LoraWeights, PartShard, part_shard
 from kiln.loader.lora_adapter import AdapterError, LoraAdapter, load_adapter
 from kiln.memory.lora_slots import SlotTable
 from kiln.models.spec import ModelSpec
@@ -49,13 +50,18 @@ def _projections(
     return found
 
 
-def _part_sizes(shapes: dict[str, tuple[int, int]], parts: list[str]) -> list[tuple[str, int, int]]:
-    """(name, output offset, output size) of each sub-projection, stacked in order (one rank holds them whole:
-    LoRA serves tp 1)."""
+def _shards(spec: ModelSpec, parts: list[str]) -> list[PartShard]:
+    """This rank's share of each sub-projection (kiln.layers.lora.part_shard)."""
+    shapes = spec.projection_shapes()
+    return [part_shard(m, shapes[m], spec.num_kv_heads, spec.head_dim, tp_size(), tp_rank()) for m in parts]
+
+
+def _part_sizes(shards: list[PartShard], parts: list[str]) -> list[tuple[str, int, int]]:
+    """(name, output offset, output size) of each sub-projection on this rank, stacked in order."""
     out, offset = [], 0
-    for name in parts:
-        out.append((name, offset, shapes[name][1]))
-        offset += shapes[name][1]
+    for name, shard in zip(parts, shards):
+        out.append((name, offset, shard.out_size))
+        offset += shard.out_size
     return out
 
 
@@ -68,12 +74,13 @@ class LoraManager:
         self.batch = LoraBatch(s, r, max_rows, device, settings.backend)
         self.slots = SlotTable(s)
         self.layers: list[tuple[int, LoraWeights]] = []
-        shapes = spec.projection_shapes()
+        self.shards: list[list[PartShard]] = []  # each LoRA'd projection's parts' shares on this rank
         for layer, linear, parts in _projections(model, settings.target_modules):
-            in_features = shapes[parts[0]][0]
-            weights = LoraWeights(self.batch, in_features, _part_sizes(shapes, parts), dtype, device)
+            shards = _shards(spec, parts)
+            weights = LoraWeights(self.batch, shards[0].in_size, _part_sizes(shards, parts), dtype, device)
             linear.lora = weights
             self.layers.append((layer, weights))
+            self.shards.append(shards)
         self.adapters: dict[str, LoraAdapter] = {}
         self.retiring: dict[
             int, LoraAdapter
@@ -166,9 +173,12 @@ class LoraManager:
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         with torch.inference_mode():
-            for layer, weights in self.layers:
-                for part, (module, _, _) in enumerate(weights.parts):
+            for (layer, weights), shards in zip(self.layers, self.shards):
+                for part, ((module, _, _), shard) in enumerate(zip(weights.parts, shards)):
                     a, b = adapter.weights.get((layer, module), (None, None))
+                    if a is not None and b is not None:  # this rank's share, as the base weight is split
+                        a = a.narrow(1, shard.in_start, shard.in_size)
+                        b = b.narrow(0, shard.out_start, shard.out_size)
                     weights.write(slot, part, a, b)
             self.batch.scaling[slot] = adapter.config.scaling
 

@@ -18,11 +18,6 @@ def lora_refusal(args: ServerArgs, model: ModelSpec) -> str | None:
         return None
     if model.lora_problem:
         return f"--enable-lora: {model.lora_problem}"
-    if args.tp_size > 1:
-        return (
-            f"--enable-lora with --tp-size {args.tp_size}: Kiln's adapter slots are not sharded across ranks yet; "
-            "serve with --tp-size 1 (or replicas: --dp-size)"
-        )
     if args.speculative_algorithm:
         return f"--enable-lora with --speculative-algorithm {args.speculative_algorithm}: the draft has no adapters"
     if args.hicache_storage_backend:
