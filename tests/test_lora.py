@@ -1,4 +1,4 @@
-"""Multi-LoRA serving in the in-process Engine, on a tiny random Llama with adapters built by PEFT (different
+"""Multi-LoRA serving in the in-process Engine, on a tiny random Llama (and a Qwen3) with adapters built by PEFT (different
 ranks, scalings, rsLoRA and target modules): greedy ids equal transformers' with the adapter merged (float32),
 each adapter alone and all of them with the base in one batch; the radix cache keeps adapters apart; adapters load
 and unload at runtime, more adapters than slots take turns; bad adapters are refused naming what is wrong; the
@@ -194,5 +194,24 @@ def test_chunked_prompts_on_one_slot(tiny_llama, adapters) -> None:
         got = run(eng, [p for p, _ in batch], [n for _, n in batch])
         assert got == [want[n][prompts.index(p)] for p, n in batch]
         assert eng.check_integrity()["ok"]
+    finally:
+        eng.shutdown()
+
+
+def test_qwen3_with_biases_and_wider_heads(tiny_qwen3, tmp_path: Path) -> None:
+    """A tied Qwen3 whose heads are wider than its hidden size (q_proj 64 -> 128), with q/k norms and biases: an
+    adapter on every projection gives transformers' ids merged, beside the base in one batch."""
+    adapter = build_adapter(tiny_qwen3, tmp_path / "q3", 11, r=4, lora_alpha=4, target_modules="all-linear")
+    prompts = [make_prompt(token_stream(), n, 17 * n) for n in (6, 29)]
+    want = {}
+    for name, path in ((None, None), ("q3", adapter)):
+        with torch.inference_mode():
+            want[name] = [hf_greedy(merged_model(tiny_qwen3, path), p, NEW, set())[0] for p in prompts]
+    eng = kiln.Engine(model_path=tiny_qwen3, lora_paths=(f"q3={adapter}",), **ARGS)
+    try:
+        batch = [(p, n) for p in prompts for n in ("q3", None)]
+        got = run(eng, [p for p, _ in batch], [n for _, n in batch])
+        assert got == [want[n][prompts.index(p)] for p, n in batch]
+        assert want["q3"] != want[None]
     finally:
         eng.shutdown()

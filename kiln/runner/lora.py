@@ -75,12 +75,19 @@ class LoraManager:
         self.slots = SlotTable(s)
         self.layers: list[tuple[int, LoraWeights]] = []
         self.shards: list[list[PartShard]] = []  # each LoRA'd projection's parts' shares on this rank
-        for layer, linear, parts in _projections(model, settings.target_modules):
+        for layer, linear, parts in (
+            _projections(model, settings.target_modules) if hasattr(model, "model") else ()
+        ):
             shards = _shards(spec, parts)
             weights = LoraWeights(self.batch, shards[0].in_size, _part_sizes(shards, parts), dtype, device)
             linear.lora = weights
             self.layers.append((layer, weights))
             self.shards.append(shards)
+        if not self.layers:  # a model class whose layers name their projections otherwise: no silent no-op
+            raise AdapterError(
+                f"{spec.architecture}: no projection named {', '.join(settings.target_modules)} in its layers for "
+                "the LoRA slots"
+            )
         self.adapters: dict[str, LoraAdapter] = {}
         self.retiring: dict[
             int, LoraAdapter

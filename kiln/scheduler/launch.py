@@ -230,7 +230,7 @@ def _init_lora(runner: ModelRunner, args: ServerArgs, ledger: Ledger) -> None:
     try:
         runner.init_lora(settings, rows)
     except AdapterError as e:
-        raise StartupRefused(f"--lora-paths: {e}") from None
+        raise StartupRefused(f"--enable-lora --lora-paths: {e}") from None
 
 
 def _scheduler(
