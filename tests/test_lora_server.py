@@ -155,7 +155,9 @@ def test_adapters_are_listed_and_counted(server) -> None:
     assert {c["id"]: c.get("parent") for c in cards[1:]} == {f"{base}:alpha": base, f"{base}:beta": base}
     info = httpx.get(f"{server.url}/get_server_info").json()
     assert set(info["lora_adapters"]) == {"alpha", "beta"}
-    check = next(r for r in info["memory_check"] if r["name"] == "lora_slots")  # the ledger's line vs allocated
+    check = next(
+        r for r in info["memory_check"] if r["name"] == "lora_slots"
+    )  # the ledger's line vs allocated
     assert check["measured"] > 0 and abs(check["error"]) <= 0.01, check
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'kiln:lora_requests_total{lora_name="alpha"}' in metrics
