@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,45 @@ def compute_capability_tuple(text: str) -> tuple[int, int]:
     if not (dot and major.isdigit() and minor.isdigit()):
         raise ValueError(f"--compute-capability {text}: give it as X.Y, e.g. 9.0 (H100) or 8.0 (A100)")
     return int(major), int(minor)
+
+
+def lora_path_pairs(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """--lora-paths as (name, path) pairs: NAME=PATH, a PATH named by itself, or SGLang's JSON object with
+    lora_name and lora_path. Raises ValueError naming the flag and the value."""
+    pairs: list[tuple[str, str]] = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                obj = json.loads(value)
+                name, path = str(obj["lora_name"]), str(obj["lora_path"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(
+                    f"--lora-paths {value}: a JSON entry needs lora_name and lora_path"
+                ) from None
+        else:
+            name, eq, path = value.partition("=")
+            name, path = (name, path) if eq else (value, value)
+        if not name or not path:
+            raise ValueError(f"--lora-paths {value}: give NAME=PATH")
+        if any(name == n for n, _ in pairs):
+            raise ValueError(f"--lora-paths names the adapter {name!r} twice")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
+def lora_modules(values: tuple[str, ...]) -> tuple[str, ...]:
+    """--lora-target-modules as PEFT module names ("all": every one Kiln serves). Raises ValueError naming a module
+    Kiln does not serve."""
+    from kiln.layers.lora import TARGET_MODULES
+
+    if "all" in values:
+        return TARGET_MODULES
+    for module in values:
+        if module not in TARGET_MODULES:
+            raise ValueError(
+                f"--lora-target-modules {module}: Kiln serves LoRA on {', '.join(TARGET_MODULES)} (or all)"
+            )
+    return tuple(m for m in TARGET_MODULES if m in values)
 
 
 def check_mem_fraction_static(value: float | None) -> None:
@@ -312,6 +352,40 @@ class ServerArgs:
         "tokens verified per request per step, the last token included (default: SGLang's auto choice by model, "
         "steps + 1 for a chain; 12 with NGRAM)",
     )
+    # multi-LoRA serving (kiln.runner.lora; SGLang's flags)
+    enable_lora: bool = _f(
+        False,
+        "serve LoRA adapters on the base model: a request names its adapter by lora_path (/generate) or model "
+        '"BASE:ADAPTER" (OpenAI routes); requests for different adapters and the base run in one batch (on by '
+        "itself with --lora-paths)",
+    )
+    lora_paths: tuple[str, ...] = _f(
+        (),
+        "adapters loaded at startup, each NAME=PATH, a PATH (named by itself) or SGLang's JSON "
+        '{"lora_name": ..., "lora_path": ...}; PEFT\'s layout (adapter_config.json + adapter_model.safetensors)',
+    )
+    max_loras_per_batch: int = _f(
+        8, "adapter slots on the device: the most distinct adapters in one batch (the base model needs none)"
+    )
+    max_lora_rank: int | None = _f(
+        None,
+        "rank of the adapter slots, the largest rank an adapter may have (default: the largest of --lora-paths)",
+    )
+    lora_target_modules: tuple[str, ...] = _f(
+        (),
+        "projections the slots cover, of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
+        "(default: those --lora-paths' adapters target)",
+    )
+    max_loaded_loras: int | None = _f(
+        None, "adapters kept in host memory at once, loaded ones included (default: no limit)"
+    )
+    lora_backend: str = _f(
+        "auto",
+        "how the batch's per-adapter delta is computed: auto (triton on CUDA, torch_native on the CPU) | triton "
+        "(segmented gathered kernels) | torch_native (torch ops; SGLang's csgmv = triton)",
+        choices=["auto", "triton", "torch_native"],
+        value_aliases={"csgmv": "triton"},
+    )
     # memory ledger inputs
     device_memory: str | None = _f(None, "device memory to plan for, e.g. 80GiB (default: probed)")
     device_name: str | None = _f(
@@ -431,6 +505,22 @@ class ServerArgs:
             hicache_ratio=self.hicache_ratio,
         )
         self._check_state_pool()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.lora_paths and not self.enable_lora:  # SGLang's rule: adapters to load turn LoRA on
+            object.__setattr__(self, "enable_lora", True)
+        lora_path_pairs(self.lora_paths)
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch {self.max_loras_per_batch} must be >= 1")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank {self.max_lora_rank} must be >= 1")
+        lora_modules(self.lora_target_modules)
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(
+                f"--max-loaded-loras {self.max_loaded_loras} must be >= --max-loras-per-batch "
+                f"{self.max_loras_per_batch}"
+            )
 
     def _check_state_pool(self) -> None:
         if self.mamba_full_memory_ratio is not None and self.mamba_full_memory_ratio <= 0:

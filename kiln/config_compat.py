@@ -526,15 +526,11 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         ),
     ),
     *_group(
-        "Kiln serves no LoRA adapters: requests run on the base model (a request naming a lora_path is "
-        "refused)",
-        switches="--enable-lora --enable-lora-overlap-loading --lora-use-virtual-experts",
+        "Kiln loads an adapter into a free slot, or the least recently used one no running request uses, when a "
+        "request first needs it; adapters are checked whole when loaded",
+        switches="--enable-lora-overlap-loading --lora-use-virtual-experts",
         toggles="--experts-shared-outer-loras --lora-strict-loading",
-        values=(
-            "--max-lora-rank --max-loaded-loras --max-loras-per-batch --lora-eviction-policy --lora-backend "
-            "--max-lora-chunk-size --lora-drain-wait-threshold"
-        ),
-        any_lists="--lora-target-modules --lora-paths",
+        values="--lora-eviction-policy --max-lora-chunk-size --lora-drain-wait-threshold",
     ),
     *_group(
         "Kiln runs prefill and decode in the one server: no prefill/decode or encoder disaggregation",

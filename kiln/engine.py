@@ -118,6 +118,7 @@ class Engine:
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """As SGLang's Engine.generate. With stream=True it checks the call at once and returns an iterator of
         chunks: each holds its generation's text and ids so far, and `index` (its place among the call's
@@ -133,10 +134,20 @@ class Engine:
             ids_list, params
         ):  # raised to the caller, as SGLang's Engine does, not an abort result
             validate_request(ids, p, self.scheduler.limits)
+        loras = self._lora_paths(lora_path, len(ids_list))
         plan = fan_out(ids_list, params)
-        warm = [GenerateReq(f"warm-{next(_ids)}", ids, prefill_only_params()) for ids in plan.warm]
+        warm_loras = [lora for lora, p in zip(loras, params) if p.n > 1]
+        warm = [
+            GenerateReq(f"warm-{next(_ids)}", ids, prefill_only_params(), lora_path=lora)
+            for ids, lora in zip(plan.warm, warm_loras)
+        ]
         groups = [
-            [GenerateReq(f"req-{next(_ids)}", list(s.input_ids), s.params, stream) for s in g]
+            [
+                GenerateReq(
+                    f"req-{next(_ids)}", list(s.input_ids), s.params, stream, lora_path=loras[s.index]
+                )
+                for s in g
+            ]
             for g in plan.groups()
         ]
         reqs = [r for group in groups for r in group]
@@ -153,6 +164,29 @@ class Engine:
             self._busy = False
         results = [done[g[0].rid] if len(g) == 1 else [done[r.rid] for r in g] for g in groups]
         return results[0] if single else results
+
+    def _lora_paths(self, lora_path: str | list[str | None] | None, prompts: int) -> list[str | None]:
+        """Each prompt's adapter (None: the base model), each one checked to be loaded."""
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * prompts
+        if len(loras) != prompts:
+            raise InvalidParam("lora_path", f"got {len(loras)} lora_path entries for {prompts} prompts")
+        for name in loras:
+            problem = self.scheduler.lora_slots.name_problem(name) if name is not None else None
+            if problem:
+                raise InvalidParam("lora_path", problem)
+        return loras
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """SGLang's Engine.load_lora_adapter: {success, error_message, loaded_adapters}."""
+        return self._lora_control("load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._lora_control("unload_lora_adapter", {"lora_name": lora_name})
+
+    def _lora_control(self, kind: str, args: dict) -> dict:
+        ok, data = self.scheduler.lora_control(kind, args)
+        listing = self.scheduler.lora_slots.listing()
+        return {"success": ok, "error_message": data.get("error", ""), "loaded_adapters": listing}
 
     def encode(
         self,

@@ -74,9 +74,11 @@ CASES = {
     "memory that does not fit": Case("llama", ("--device-memory", "1MiB"), True),
     "mem fraction out of range": Case("llama", ("--mem-fraction-static", "1.5"), True),
     "storage tier without the host tier": Case("llama", ("--hicache-storage-backend", "file"), True),
-    "lora flags (taken, said to serve the base)": Case(
-        "llama", ("--enable-lora", "--lora-paths", "a=b"), False
-    ),
+    "lora adapter that is not there": Case("llama", ("--enable-lora", "--lora-paths", "a=b"), True),
+    "lora slots without an adapter yet": Case("llama", ("--enable-lora", "--max-lora-rank", "8"), False),
+    "lora without a rank": Case("llama", ("--enable-lora",), True),
+    "lora with tp 2": Case("llama", ("--enable-lora", "--max-lora-rank", "8", "--tp-size", "2"), False),
+    "lora on a hybrid": Case("hybrid", ("--enable-lora", "--max-lora-rank", "8"), True),
     "hicache with a hybrid": Case("hybrid", ("--enable-hierarchical-cache",), True),
     "speculation with a hybrid": Case("hybrid", ("--speculative-algorithm", "NGRAM"), True),
     "tp with a hybrid": Case("hybrid", ("--tp-size", "2"), True),

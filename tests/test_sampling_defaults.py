@@ -126,13 +126,13 @@ class RecordingClient:
         self.queues: dict[str, object] = {}
         self.num_active = 0
 
-    async def collect(self, input_ids, params, rid=None, deadline=None) -> OutputAccumulator:
+    async def collect(self, input_ids, params, rid=None, deadline=None, lora_path=None) -> OutputAccumulator:
         self.params.append(params)
         result = OutputAccumulator()
         result.add(ReqOutput("r", [7], "a", True, {"type": "length", "length": 1}, len(input_ids), 1, 0))
         return result
 
-    async def prefill_only(self, input_ids) -> None:
+    async def prefill_only(self, input_ids, lora_path=None) -> None:
         return None
 
 

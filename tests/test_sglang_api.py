@@ -61,20 +61,30 @@ class FakeEngineClient:
         self.last_output_time = 0.0
 
     async def generate(
-        self, input_ids, params, stream=False, rid=None, deadline=None, observe=True, pool=None
+        self,
+        input_ids,
+        params,
+        stream=False,
+        rid=None,
+        deadline=None,
+        observe=True,
+        pool=None,
+        lora_path=None,
     ):
         if self.hang:
             await asyncio.sleep(3600)
         for out in self.script:
             yield out
 
-    async def collect(self, input_ids, params, rid=None, deadline=None, pool=None) -> OutputAccumulator:
+    async def collect(
+        self, input_ids, params, rid=None, deadline=None, pool=None, lora_path=None
+    ) -> OutputAccumulator:
         result = OutputAccumulator()
         async for out in self.generate(input_ids, params):
             result.add(out)
         return result
 
-    async def prefill_only(self, input_ids) -> None:
+    async def prefill_only(self, input_ids, lora_path=None) -> None:
         return None
 
 

@@ -129,11 +129,11 @@ def test_every_sglang_flag_kiln_implements_is_a_flag_of_its_own(parser):
 
 @pytest.mark.unit
 def test_a_toggle_turned_off_and_list_values_are_kept_as_given(parser):
-    args = parse(parser, ["--no-enable-tf32-matmul", "--gc-threshold", "10", "20", "--lora-paths"])
+    args = parse(parser, ["--no-enable-tf32-matmul", "--gc-threshold", "10", "20", "--custom-weight-loader"])
     assert args.foreign_flags == (
         ("--no-enable-tf32-matmul",),
         ("--gc-threshold", "10", "20"),
-        ("--lora-paths",),
+        ("--custom-weight-loader",),
     )
 
 

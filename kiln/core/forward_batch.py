@@ -118,6 +118,8 @@ class ForwardBatch:
     shared_kv: bool = True
     # both modes, hybrid models: [B] int64, each request's slot in the linear layers' state pool (its table row)
     state_slots: torch.Tensor | None = None
+    # LoRA: [T] int64, each row's adapter slot (-1: the base model); None when no row has an adapter
+    lora_slots: torch.Tensor | None = None
     # set by the model runner (AttentionBackend.prepare_metadata) once the batch is on its device
     attn: AttentionMetadata | None = None
 
@@ -140,6 +142,7 @@ class ForwardBatch:
             kv_table=move(self.kv_table),
             kv_mask=move(self.kv_mask),
             state_slots=move(self.state_slots),
+            lora_slots=self.lora_slots,  # read on the host (kiln.layers.lora.LoraBatch.set_rows)
             attn=None,
         )
 

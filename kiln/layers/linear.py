@@ -13,6 +13,7 @@ from kiln.distributed import all_reduce, tp_rank, tp_size
 from kiln.layers import fused
 from kiln.layers.cpu_gemm import linear, prepack
 from kiln.layers.fp8_linear import copy_blocks
+from kiln.layers.lora import LoraWeights
 from kiln.layers.quant_rows import keep_rows, pop_rows
 
 
@@ -27,6 +28,8 @@ class _PrepackableLinear(nn.Module):
     packed = False
     fp8_weight_names: tuple[str, ...] = ("weight",)  # what an FP8 checkpoint's weights are kept in FP8 for
     fp8_block: tuple[int, int] | None = None  # set when the weight is held in FP8 blocks
+    # the projection's LoRA adapter slots (kiln.layers.lora), set when the server serves adapters
+    lora: LoraWeights | None = None
 
     def prepack_weights(self) -> bool:
         """After loading: swap the weight for its prepacked CPU layout where that exists (quantized, when the
@@ -46,6 +49,11 @@ class _PrepackableLinear(nn.Module):
 
             return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, bias)
         return linear(x, self.weight, bias, self.packed)
+
+    def _with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus each row's LoRA delta, when adapters are served (before a row-parallel all-reduce: the partial
+        deltas of the ranks' input columns sum there like the partial products)."""
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
 
 class ColumnParallelLinear(_PrepackableLinear):
@@ -69,7 +77,7 @@ class ColumnParallelLinear(_PrepackableLinear):
             copy_blocks(self, "weight", loaded, 0, dst, src, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return self._with_lora(x, self._matmul(x, self.bias))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -149,7 +157,7 @@ class RowParallelLinear(_PrepackableLinear):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self._matmul(x, None))
+        y = all_reduce(self._with_lora(x, self._matmul(x, None)))
         return y + self.bias if self.bias is not None else y
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -161,6 +169,7 @@ class RowParallelLinear(_PrepackableLinear):
         if (
             fused.kernels(x) is not None and x.is_cuda and x.dim() == 2 and tp_size() == 1 and self.bias is None
             and self.fp8_block is None and not self.packed and w.dtype == x.dtype == residual.dtype
+            and self.lora is None
         ):  # fmt: skip
             return residual.addmm_(x, w.t())
         return residual + self.forward(x)

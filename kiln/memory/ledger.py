@@ -21,6 +21,7 @@ from kiln.core import envs
 from kiln.core.dtypes import dtype_bytes
 from kiln.core.units import GIB, gb, gib, human
 from kiln.memory.fix_search import find_fix
+from kiln.memory.ledger_lora import lora_text
 from kiln.memory.ledger_states import StatePlan, clamped, given_slots_plan, ratio_plan, size_for_requests
 from kiln.memory.ledger_steps import (
     KvCell,
@@ -247,6 +248,9 @@ def weight_lines(inputs: LedgerInputs, static: StaticBytes) -> list[LedgerLine]:
         how = "in its GGUF blocks" if blocks and blocks.head_bytes else "vocab/tp x hidden x 4 B"
         text = f"CPU prepacked copy of the tied embedding: {how}"
         lines.append(LedgerLine("packed lm head", static.packed_head, text))
+    if static.lora_slots:
+        text = lora_text(inputs.lora_slots, inputs.lora_rank, inputs.lora_modules, inputs.model.num_layers)
+        lines.append(LedgerLine("lora adapter slots", static.lora_slots, text))
     if inputs.draft:
         text = inputs.draft.weight_text(inputs.tp_size, inputs.dtype, inputs.fp8_weights_kept)
         lines.append(LedgerLine("draft weights", static.draft_weights, text))

@@ -11,6 +11,7 @@ from kiln.core.dtypes import dtype_bytes, kv_cache_dtype_name
 from kiln.core.graph_shapes import CPU_GRAPH_MAX_BS
 from kiln.core.units import GIB, MIB
 from kiln.memory.graph_budget import cuda_defaults, graph_batch_sizes, graph_prefill_tokens, graph_reserve
+from kiln.memory.ledger_lora import lora_slot_bytes
 from kiln.memory.ledger_types import LedgerInputs
 from kiln.memory.tier_staging import STAGING_BYTES
 from kiln.models.spec import GgufBlocks
@@ -31,10 +32,11 @@ class StaticBytes:
     draft_weights: int  # the speculative draft model's weights
     blocks: GgufBlocks | None  # the GGUF matrices kept in their blocks, if any
     int8_linears: bool = False  # --quantization int8 counted: the linears held in int8
+    lora_slots: int = 0  # the LoRA adapter slots on the projections (kiln.memory.ledger_lora)
 
     @property
     def total(self) -> int:
-        return self.weights + self.packed_head + self.draft_weights
+        return self.weights + self.packed_head + self.draft_weights + self.lora_slots
 
 
 def static_bytes(inputs: LedgerInputs) -> StaticBytes:
@@ -53,7 +55,8 @@ def static_bytes(inputs: LedgerInputs) -> StaticBytes:
         packed_head = blocks.head_bytes or packed_head
     draft = inputs.draft
     draft_weights = draft.weight_bytes(tp, element_bytes, inputs.fp8_weights_kept) if draft else 0
-    return StaticBytes(weights, packed_head, draft_weights, blocks, prepacked and inputs.int8_linears)
+    lora = lora_slot_bytes(model, inputs.lora_slots, inputs.lora_rank, inputs.lora_modules, inputs.dtype, tp)
+    return StaticBytes(weights, packed_head, draft_weights, blocks, prepacked and inputs.int8_linears, lora)
 
 
 @dataclass(frozen=True)

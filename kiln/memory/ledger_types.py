@@ -78,6 +78,10 @@ class LedgerInputs:
     integer_kernels: bool = False  # --cpu-gemm auto / kiln: kept blocks multiplied in integers (else float32)
     # CPU float32 with prepacking, --quantization int8: linear weights held as int8 with a float32 scale per row
     int8_linears: bool = False
+    # multi-LoRA serving: adapter slots, their rank and the projections they cover (kiln.memory.ledger_lora)
+    lora_slots: int = 0
+    lora_rank: int = 0
+    lora_modules: tuple[str, ...] = ()
 
     @classmethod
     def from_args(
@@ -135,7 +139,21 @@ class LedgerInputs:
             integer_kernels=bool(blocks) and platform.integer_compute(args.cpu_gemm),
             int8_linears=_int8_linears(args, device),
             draft=_draft_spec(args),
+            **_lora_inputs(args),
         )
+
+
+def _lora_inputs(args: ServerArgs) -> dict:
+    """The slot pool's size, once resolve has filled --max-lora-rank and --lora-target-modules."""
+    if not args.enable_lora:
+        return {}
+    from kiln.config import lora_modules
+
+    return dict(
+        lora_slots=args.max_loras_per_batch,
+        lora_rank=args.max_lora_rank or 0,
+        lora_modules=lora_modules(args.lora_target_modules),
+    )
 
 
 def _int8_linears(args: ServerArgs, device: str) -> bool:

@@ -19,6 +19,7 @@ def memory_check(ledger: Ledger, measured: dict[str, int]) -> list[dict]:
         "packed_lm_head": ledger.line("packed lm head").bytes if ledger.has_line("packed lm head") else 0,
         "kv_pool": ledger.line("kv pool").bytes,
         "req_table": ledger.line("request table").bytes,
+        "lora_slots": ledger.line("lora adapter slots").bytes if ledger.has_line("lora adapter slots") else 0,
         "graph_capture": ledger.graph_reserve_bytes,
         "warmup_peak": ledger.prefill_activation_bytes + ledger.logits_bytes,
     }

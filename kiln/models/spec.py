@@ -193,6 +193,32 @@ class ModelSpec:
         """The dtype it is served in on `device` for --dtype `requested` (kiln.core.dtypes.resolve_dtype_name)."""
         return resolve_dtype_name(self.checkpoint_dtype, self.half_dtype, device, requested)
 
+    # --- LoRA -------------------------------------------------------------------------------------------------
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each projection a LoRA adapter may target, in PEFT's names, whole (one rank's share is the
+        caller's): attention's q, k, v, o and the dense MLP's gate, up, down."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, inter = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+        }  # fmt: skip
+
+    @property
+    def lora_problem(self) -> str | None:
+        """Why Kiln serves no LoRA adapter on this model (its slots cover dense full-attention layers only); None
+        when it does."""
+        if self.is_mla or self.has_linear_attention or self.routed_experts or not self.intermediate_size:
+            kind = (
+                "latent attention"
+                if self.is_mla
+                else "linear attention"
+                if self.has_linear_attention
+                else "MoE"
+            )
+            return f"{self.architecture} has {kind} layers: Kiln serves LoRA adapters on dense attention models only"
+        return None
+
     # --- limits and splits ------------------------------------------------------------------------------------
     def context_overrun(self, context_length: int | None) -> str | None:
         """Why a --context-length is past the model's longest context, or None."""

@@ -24,6 +24,7 @@ from kiln.memory.window_pool import WindowPool
 from kiln.models.config import ModelConfig
 from kiln.platform import available_memory_bytes, current_rss_bytes
 from kiln.runner.attention import AttentionBackend, make_attention_backend
+from kiln.runner.lora import LoraManager, LoraSettings
 from kiln.runner.prompt_logprobs import RowScores, score_rows
 
 logger = logging.getLogger("kiln")
@@ -58,6 +59,9 @@ class ModelRunner:
         self.last_forward_graph = False
         self.last_hidden: torch.Tensor | None = None  # the last forward's [rows, width], if kept
         self.prompt_hidden: torch.Tensor | None = None  # the last forward's hidden_index rows (prompt lps)
+        self.lora: LoraManager | None = (
+            None  # the adapters and their slots, when LoRA is served (kiln.runner.lora)
+        )
 
     def _avail(self) -> str:
         return gib(available_memory_bytes(self.device))
@@ -174,6 +178,16 @@ class ModelRunner:
         )
         logger.info(f"Memory pool end. avail mem={self._avail()}")
 
+    def init_lora(self, settings: LoraSettings, max_rows: int) -> None:
+        """The LoRA slot pool on the model's projections, and the adapters --lora-paths names loaded into host
+        memory (a bad one refuses startup, naming it)."""
+        self.lora = LoraManager(
+            self.model, self.model_config.spec, settings, max_rows, self.dtype, self.device
+        )
+        self.measured["lora_slots"] = self.lora.nbytes
+        for name, path in settings.paths:
+            self.lora.load(name, path)
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         t0 = time.perf_counter()
         if self.device != "cpu":
@@ -183,6 +197,8 @@ class ModelRunner:
         with torch.inference_mode():
             # once per step, before graphs or the model: every layer and the graph runner read the same metadata
             fb = replace(fb, attn=self.attn_backend.prepare_metadata(fb))
+            if self.lora is not None:  # each row's adapter slot, written where every LoRA'd layer reads it
+                self.lora.set_batch(fb.lora_slots)
             out = self.graphs.try_run(fb) if self.graphs is not None else None
             self.last_forward_graph = out is not None
             # the hidden states a draft reads (the model keeps them once a drafter asked): a captured step hands

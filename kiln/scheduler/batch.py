@@ -9,6 +9,15 @@ from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.scheduler.req import Req
 
 
+def lora_rows(reqs: list[Req], counts: list[int]) -> torch.Tensor | None:
+    """Each row's LoRA slot (-1: the base model), `counts[i]` rows for request i; None when no request has an
+    adapter."""
+    if all(r.lora_slot is None for r in reqs):
+        return None
+    slots = torch.tensor([-1 if r.lora_slot is None else r.lora_slot for r in reqs], dtype=torch.int64)
+    return slots.repeat_interleave(torch.tensor(counts, dtype=torch.int64))
+
+
 def build_extend(reqs: list[Req], table: ReqToTokenPool) -> ForwardBatch:
     """Each request computes tokens [kv_len, kv_len + extend_len) on top of its first kv_len."""
     ids, pos, locs, slots, logits_rows = [], [], [], [], []
@@ -33,6 +42,7 @@ def build_extend(reqs: list[Req], table: ReqToTokenPool) -> ForwardBatch:
         fill_lens=[r.seq_len for r in reqs],
         seq_slots=slots,
         state_slots=torch.tensor([r.table_idx for r in reqs], dtype=torch.int64),
+        lora_slots=lora_rows(reqs, [r.extend_len for r in reqs]),
     )
 
 
@@ -67,4 +77,5 @@ def build_decode(reqs: list[Req], table: ReqToTokenPool, new_slots: torch.Tensor
         kv_mask=mask,
         shared_kv=shares_prefix(reqs),
         state_slots=rows,
+        lora_slots=lora_rows(reqs, [1] * len(reqs)),
     )

@@ -334,4 +334,7 @@ class EngineLoop:
         if msg.kind == "check_integrity":
             report = s.check_integrity()
             return ControlOut(msg.cid, report["ok"], report)
+        if msg.kind in ("load_lora_adapter", "unload_lora_adapter"):
+            ok, data = s.lora_control(msg.kind, msg.args)
+            return ControlOut(msg.cid, ok, data)
         return ControlOut(msg.cid, False, {"error": f"unknown control {msg.kind!r}"})

@@ -26,6 +26,17 @@ class FanOut:
     warm: list[list[int]]  # prompts to prefill alone, each to the end, before any sample starts
     samples: list[Sample]  # prompt by prompt, n of each
     num_prompts: int
+    loras: tuple[str | None, ...] = ()  # each prompt's LoRA adapter (empty: the base model for all)
+
+    def lora(self, index: int) -> str | None:
+        return self.loras[index] if self.loras else None
+
+    def warm_loras(self) -> list[str | None]:
+        """The adapter of each warm prompt (those sampled more than once), in warm's order."""
+        counts = [0] * self.num_prompts
+        for sample in self.samples:
+            counts[sample.index] += 1
+        return [self.lora(i) for i in range(self.num_prompts) if counts[i] > 1]
 
     def groups(self) -> list[list[Sample]]:
         """The samples of each prompt, in prompt order."""

@@ -45,6 +45,7 @@ class GenerateReq:
         True  # False: a probe (/health_generate), left out of the token counters as SGLang does
     )
     pool: PoolSpec | None = None  # a prefill-only request's pooled output (embeddings, label scores)
+    lora_path: str | None = None  # the LoRA adapter's name (SGLang's lora_path); None: the base model
 
 
 @dataclass
@@ -56,10 +57,12 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """flush_cache | server_info | check_integrity; answered with a ControlOut of the same id."""
+    """flush_cache | server_info | check_integrity | load_lora_adapter | unload_lora_adapter; answered with a
+    ControlOut of the same id."""
 
     kind: str
     cid: int = 0
+    args: dict[str, Any] = field(default_factory=dict)  # a LoRA control's lora_name and lora_path
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,19 @@ from kiln.memory.req_to_token import ReqToTokenPool
 from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.scheduler.req import Req
 
+# a LoRA adapter's tokens are keyed apart from the base model's and every other adapter's: KV computed under one
+# adapter is never another's, so each adapter's prefixes live in their own namespace of the tree
+_NAMESPACE_SHIFT = 32
+
+
+def cache_key(req: Req, n: int) -> list[int]:
+    """The prefix cache's key of the request's first n tokens: the token ids, in its adapter's namespace."""
+    ids = req.fill_ids[:n]
+    if not req.lora_uid:
+        return ids
+    offset = req.lora_uid << _NAMESPACE_SHIFT
+    return [t + offset for t in ids]
+
 
 class KVManager:
     def __init__(
@@ -47,7 +60,7 @@ class KVManager:
     def match(self, req: Req) -> int:
         """Length of the cached prefix usable by req (at least its last token is always computed), by a lookup that
         changes nothing (PrefixCache.match_prefix): sorting the queue and budgeting admission move no KV."""
-        key = req.fill_ids[: req.prefix_limit]
+        key = cache_key(req, req.prefix_limit)
         return self.cache.match_prefix(key) if key else 0
 
     def admit(self, req: Req, limit: int | None = None) -> bool:
@@ -59,7 +72,7 @@ class KVManager:
             if idx is None:
                 return False
             req.table_idx = idx
-            key = req.fill_ids[: req.prefix_limit]
+            key = cache_key(req, req.prefix_limit)
             m = self.cache.acquire_prefix(key) if key else None
             if m is not None and m.indices.numel():
                 n = int(m.indices.numel())
@@ -135,7 +148,7 @@ class KVManager:
         """After a chunk: publish the computed prefix so it is shared, and hold it locked."""
         if not self.radix_enabled:
             return
-        key = req.fill_ids[: req.kv_len]
+        key = cache_key(req, req.kv_len)
         slots = self._slots(req, req.kv_len)
         already = self.cache.insert(key, slots)
         if already > req.cached_len:
@@ -162,7 +175,7 @@ class KVManager:
             or not self.cache.states_serve_one_earlier()
         ):
             return
-        m = self.cache.match_stored(req.fill_ids[:n])
+        m = self.cache.match_stored(cache_key(req, n))
         if int(m.indices.numel()) == n:
             self.cache.keep_state(m.node, req.table_idx)
 
@@ -181,7 +194,7 @@ class KVManager:
             return
         slots = self._slots(req, req.kv_len)
         aligned = req.kv_len // self.page_size * self.page_size
-        already = self.cache.insert(req.fill_ids[: req.kv_len], slots)
+        already = self.cache.insert(cache_key(req, req.kv_len), slots)
         if already > req.cached_len:
             self.allocator.free(slots[req.cached_len : already])
         if req.kv_len > aligned:
@@ -194,7 +207,7 @@ class KVManager:
         follow-up turn that extends the conversation starts from it."""
         if not self.radix_enabled or aligned != req.kv_len or aligned == 0 or not self.cache.keeps_states():
             return
-        self.cache.keep_state(self.cache.match_stored(req.fill_ids[:aligned]).node, req.table_idx)
+        self.cache.keep_state(self.cache.match_stored(cache_key(req, aligned)).node, req.table_idx)
 
     def release(self, req: Req) -> None:
         """Free the request's own slots without caching them (retraction, abort, failure)."""

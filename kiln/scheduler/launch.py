@@ -13,7 +13,7 @@ import torch
 import kiln.distributed as distributed
 import kiln.memory.storage_tier as storage_tier
 import kiln.platform as platform
-from kiln.config import ServerArgs
+from kiln.config import ServerArgs, lora_modules, lora_path_pairs
 from kiln.core.dtypes import kv_torch_dtype, torch_dtype
 from kiln.layers.cpu_gemm import set_cpu_gemm
 from kiln.layers.kernel_builds import build_kernels, kernels_for
@@ -24,8 +24,10 @@ from kiln.memory.ledger_format import format_table
 from kiln.memory.ledger_types import Ledger, storage_dir
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.models.config import ModelConfig
+from kiln.runner.lora import AdapterError, LoraSettings
 from kiln.runner.model_runner import ModelRunner, PoolSizes
 from kiln.scheduler.io import PoolSpec
+from kiln.scheduler.lora_resolve import delta_method
 from kiln.scheduler.resolve import Deployment, MemoryPlan, StartupRefused, resolve, target_platform
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.spec_step import SpecDecoder
@@ -118,6 +120,8 @@ def _load_runner(
         dummy=args.load_format == "dummy",
         head=not args.is_embedding,  # an embedding checkpoint (Qwen3-Embedding's) may have no lm_head
     )
+    if args.enable_lora:
+        _init_lora(runner, args, ledger)
     phase("allocating_kv", {})
     sizes = PoolSizes(
         ledger.max_total_num_tokens,
@@ -210,6 +214,23 @@ def _spec_decoder(
         f"speculative_eagle_topk={settings.topk}, speculative_num_draft_tokens={settings.num_draft_tokens}"
     )
     return SpecDecoder(drafter, settings.num_draft, settings.num_draft_tokens)
+
+
+def _init_lora(runner: ModelRunner, args: ServerArgs, ledger: Ledger) -> None:
+    """The adapter slots (the ledger's line) and the startup adapters, in host memory; a bad adapter refuses."""
+    settings = LoraSettings(
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_lora_rank=args.max_lora_rank or 0,
+        target_modules=lora_modules(args.lora_target_modules),
+        max_loaded_loras=args.max_loaded_loras,
+        backend=delta_method(args, runner.device),
+        paths=lora_path_pairs(args.lora_paths),
+    )
+    rows = max(ledger.chunked_prefill_size or 0, ledger.max_prefill_tokens, ledger.max_running_requests, 512)
+    try:
+        runner.init_lora(settings, rows)
+    except AdapterError as e:
+        raise StartupRefused(f"--enable-lora --lora-paths: {e}") from None
 
 
 def _scheduler(

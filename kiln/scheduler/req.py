@@ -46,6 +46,11 @@ class Req:
         self.stream = stream
         self.deadline = deadline
         self.log_metrics = log_metrics
+        # LoRA: the adapter's name and uid (its prefix-cache namespace; 0: the base model), and the slot it is pinned
+        # in from admission to its end (None: not pinned, or the base model)
+        self.lora_name: str | None = None
+        self.lora_uid = 0
+        self.lora_slot: int | None = None
         self.output_ids: list[int] = []
         self.state = ReqState.WAITING
         # KV bookkeeping: slots of tokens [0, kv_len) are in the request's table row; the first cached_len of

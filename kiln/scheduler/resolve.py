@@ -29,6 +29,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.registry import check_model_config
 from kiln.models.spec import ModelSpec
 from kiln.platform import Platform
+from kiln.scheduler.lora_resolve import lora_refusal, resolve_lora
 from kiln.speculative.checks import draft_refusal
 from kiln.speculative.settings import SpecSettings, with_speculation
 from kiln.speculative.settings import resolve as resolve_speculative
@@ -140,10 +141,12 @@ def check(args: ServerArgs, target: Platform, serving: bool = False) -> Checked:
         or context_length_refusal(model, args.context_length, envs.allow_longer_context_len())
         or storage_refusal(args, keep=serving)
         or triton_refusal(args, target)
+        or lora_refusal(args, model)
     )
     if refusal:
         raise StartupRefused(refusal)
     try:
+        args = resolve_lora(args)
         spec = resolve_speculative(args, model_config.architecture)
         dtype = model.serving_dtype(target.device, args.dtype)
     except ValueError as e:

@@ -23,6 +23,7 @@ from kiln.memory.state_checkpoints import HybridRadixCache
 from kiln.memory.storage_tier import FileStorageTier
 from kiln.runner.model_runner import ModelRunner
 from kiln.sampling_params import InvalidParam
+from kiln.scheduler.adapters import AdapterPins
 from kiln.scheduler.io import AbortReq, GenerateReq, ReqOutput, RequestCounters, SchedulerStats
 from kiln.scheduler.kv import KVManager
 from kiln.scheduler.output import OutputProcessor
@@ -143,6 +144,9 @@ class Scheduler(StepCycle, OverlapSchedule):
         self._decode_tokens_since_log = 0
         self._decode_log_t0 = time.perf_counter()
         self._comm_logged = 0.0  # distributed.comm_seconds() at the last decode log
+        self.lora_slots = AdapterPins(
+            getattr(runner, "lora", None)
+        )  # LoRA: each request's adapter slot, admission to end
         self.forward_thread = ForwardThread(self._forward_and_sample) if overlap else None
         self.in_flight: InFlight | None = None  # the decode step launched and not yet processed (overlap)
 
@@ -163,6 +167,14 @@ class Scheduler(StepCycle, OverlapSchedule):
         detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim)
         req = Req(msg.rid, list(msg.input_ids), p, detok, gen, msg.stream, msg.deadline, msg.log_metrics)
         req.pool = msg.pool
+        if msg.lora_path is not None:
+            problem = self.lora_slots.name_problem(msg.lora_path)
+            if problem:
+                self.outbox.append(
+                    self.out.error_output(msg.rid, len(msg.input_ids), f"lora_path: {problem}")
+                )
+                return
+            req.lora_name, req.lora_uid = msg.lora_path, self.lora_slots.uid_of(msg.lora_path)
         spec = spec_of(p)
         if spec is not None and self.grammars is None:
             message = f"{spec.kind}: constrained decoding is off on this server (--grammar-backend none)"
@@ -293,7 +305,16 @@ class Scheduler(StepCycle, OverlapSchedule):
             if self._shares_uncached_prefix(req, adder.budget.reqs):
                 deferred.append(self.waiting.popleft())  # next batch, when that prefix is cached
                 continue
+            pinned = self.lora_slots.pin(req)
+            if pinned is None:  # its adapter was unloaded while it waited
+                self._finish_abort(
+                    req, "its LoRA adapter was unloaded", error=f"lora_path: {req.lora_name!r} unloaded"
+                )
+                continue
+            if not pinned:  # every adapter slot is pinned by other adapters' running requests
+                break
             if not adder.add(req):
+                self.lora_slots.unpin_waiting(req)
                 break
             self.waiting.popleft()
         self.waiting.extendleft(reversed(deferred))
@@ -485,6 +506,10 @@ class Scheduler(StepCycle, OverlapSchedule):
             for r in reqs
             if r.state not in allowed
         ]
+
+    def lora_control(self, kind: str, args: dict) -> tuple[bool, dict]:
+        """Load or unload a LoRA adapter between steps: a running request keeps the slot it pinned."""
+        return self.lora_slots.control(kind, args, list(self.reqs.values()))
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running or self.chunked or self.grammar_queue:

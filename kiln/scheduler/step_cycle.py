@@ -23,6 +23,7 @@ from kiln.structured.masks import batch_masks, blocked_finish
 
 if TYPE_CHECKING:
     from kiln.runner.model_runner import ModelRunner
+    from kiln.scheduler.adapters import AdapterPins
     from kiln.scheduler.io import ReqOutput, RequestCounters
     from kiln.scheduler.kv import KVManager
     from kiln.scheduler.output import OutputProcessor
@@ -42,6 +43,7 @@ class StepCycle:
     outbox: list[ReqOutput]
     counters: RequestCounters
     last_was_prefill: bool
+    lora_slots: AdapterPins
 
     def schedule(self) -> StepPlan | None:
         """The next step, decided (kiln.scheduler.step): a prefill of the requests admission takes or, every other
@@ -248,6 +250,8 @@ class StepCycle:
     def _emit(self, req: Req) -> None:
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
+        self.lora_slots.unpin(req)
+        self.lora_slots.retire(list(self.reqs.values()))
         if self.spec is not None:
             self.spec.release(req.rid)
         # both at the end, as SGLang counts them: a hit rate over a window reads them together

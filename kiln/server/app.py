@@ -22,6 +22,12 @@ from kiln.scheduler.io import EngineState, SchedulerStats, ServerInfo
 from kiln.server.bodies import decode_json, read_body
 from kiln.server.embeddings import EmbeddingRequest, EncodeRequest, PooledAborted, PoolingServing
 from kiln.server.engine_client import EngineClient
+from kiln.server.lora_routes import (
+    LoadLoraAdapterRequest,
+    LoraNames,
+    UnloadLoraAdapterRequest,
+    add_lora_routes,
+)
 from kiln.server.openai_api import EngineRequestError, OpenAIServing
 from kiln.server.protocol import (
     AbortRequest,
@@ -72,6 +78,8 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     "/encode": EncodeRequest,
     "/v1/score": ScoringRequest,
     "/v1/rerank": RerankRequest,
+    "/load_lora_adapter": LoadLoraAdapterRequest,
+    "/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 
 
@@ -90,6 +98,7 @@ class ServerState:
     metrics: Metrics | None = None
     # the model's sampling defaults under --sampling-defaults model (read once at startup; /model_info says them)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    lora: LoraNames = field(default_factory=lambda: LoraNames(False))  # the LoRA adapters loaded, by name
 
 
 def _err(
@@ -112,6 +121,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_probes(app, state)
     _add_openai_routes(app, state)
     _add_control_routes(app, state)
+    add_lora_routes(app, state.lora, _parse_body, lambda: _serving(state).client)
     app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app
 
@@ -186,7 +196,8 @@ async def _parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         body = model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-    refuse_unsupported(body)
+    state: ServerState = request.app.state.kiln
+    refuse_unsupported(body, served=frozenset({"lora_path"}) if state.lora.enabled else frozenset())
     return body
 
 
@@ -315,7 +326,7 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state), *state.lora.cards(state.model_name)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
@@ -391,6 +402,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
             "server_args": asdict(state.args),
             **server_info_json(engine),
             "startup": state.startup.to_dict(),
+            "lora_adapters": state.lora.paths if state.lora.enabled else None,
         }
 
     @app.get("/get_load")

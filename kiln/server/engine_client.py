@@ -142,6 +142,7 @@ class EngineClient:
         deadline: float | None = None,
         observe: bool = True,
         pool: PoolSpec | None = None,
+        lora_path: str | None = None,
     ) -> AsyncIterator[ReqOutput]:
         """Yields the request's outputs until it finishes; aborts it if the consumer stops early. `observe`
         False keeps it out of the front's latency metrics and the engine's token counters (a health probe is no
@@ -156,7 +157,16 @@ class EngineClient:
             log.receive(rid, input_ids, params)
         try:
             self._send.send_pyobj(
-                GenerateReq(rid, input_ids, params, stream, deadline, log_metrics=observe, pool=pool)
+                GenerateReq(
+                    rid,
+                    input_ids,
+                    params,
+                    stream,
+                    deadline,
+                    log_metrics=observe,
+                    pool=pool,
+                    lora_path=lora_path,
+                )
             )
             while True:
                 out: ReqOutput = await q.get()
@@ -173,6 +183,8 @@ class EngineClient:
                         start, first, prev, now, len(out.new_ids), out.finish_reason if finished else None
                     )
                     prev = now if out.new_ids else prev
+                    if finished and lora_path is not None:
+                        self.metrics.observe_lora(lora_path, out.prompt_tokens, out.completion_tokens)
                 yield out
                 if finished:
                     return
@@ -191,28 +203,29 @@ class EngineClient:
         deadline: float | None = None,
         observe: bool = True,
         pool: PoolSpec | None = None,
+        lora_path: str | None = None,
     ) -> OutputAccumulator:
         result = OutputAccumulator()
-        async for out in self.generate(input_ids, params, False, rid, deadline, observe, pool):
+        async for out in self.generate(input_ids, params, False, rid, deadline, observe, pool, lora_path):
             result.add(out)
         assert result.last is not None
         return result
 
-    async def prefill_only(self, input_ids: list[int]) -> None:
+    async def prefill_only(self, input_ids: list[int], lora_path: str | None = None) -> None:
         """Compute a prompt's KV once so that n samples share it through the prefix cache: Kiln's own request,
         not a client's, so the metrics count the samples alone."""
-        await self.collect(input_ids, prefill_only_params(), observe=False)
+        await self.collect(input_ids, prefill_only_params(), observe=False, lora_path=lora_path)
 
     def abort(
         self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by the client"
     ) -> None:
         self._send.send_pyobj(AbortReq(rid, abort_all, message))
 
-    async def control(self, kind: str, timeout: float = 30.0) -> ControlOut:
+    async def control(self, kind: str, timeout: float = 30.0, args: dict | None = None) -> ControlOut:
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
         self.controls[cid] = fut
-        self._send.send_pyobj(ControlReq(kind, cid))
+        self._send.send_pyobj(ControlReq(kind, cid, args or {}))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -33,6 +33,7 @@ from kiln.server.connections import guarded_protocol
 from kiln.server.download import download_phase
 from kiln.server.embeddings import PoolingServing
 from kiln.server.engine_client import EngineClient, RequestLog
+from kiln.server.lora_routes import LoraNames
 from kiln.server.openai_api import OpenAIServing
 from kiln.server.ranks import RankProcesses, serve_ranks
 from kiln.server.startup import StartupState
@@ -77,6 +78,7 @@ class Launcher:
         self.args = args.with_defaults()
         first = "downloading" if self.args.hub_model_id else "launching"  # a model id: its weights first
         self.state = ServerState(self.args, StartupState(self.args.startup_events, first))
+        self.state.lora = LoraNames.of(self.args)
         self.state.model_name = self.args.served_model_name or self.args.model_path
         # read once, here: every request and /model_info see the same values (a local path: with_defaults)
         self.state.sampling_defaults = sampling_defaults(self.args.sampling_defaults, self.args.model_path)
@@ -193,6 +195,7 @@ class Launcher:
             reasoning_parser=self.args.reasoning_parser,
             sampling_defaults=self.state.sampling_defaults,
         )
+        self.state.serving.lora = self.state.lora
         self.state.pooling = PoolingServing(self.state.serving, info)
         self.state.startup.enter("warming_up")
         if not self.args.skip_server_warmup and not await self._warm_up(client, tokenizer):

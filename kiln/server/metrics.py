@@ -370,6 +370,16 @@ class Metrics:
         self.rejected = Counter(
             "kiln:num_rejected_requests_total", "requests refused with 429 (queue full)", registry=r
         )
+        # per LoRA adapter (the base model's requests are not counted here): SGLang has no such family
+        self.lora_requests = Counter(
+            "kiln:lora_requests_total", "requests finished per LoRA adapter", ["lora_name"], registry=r
+        )
+        self.lora_tokens = Counter(
+            "kiln:lora_tokens_total",
+            "prompt and generated tokens per LoRA adapter",
+            ["lora_name", "kind"],
+            registry=r,
+        )
         self.hit_rate = Gauge(
             "kiln:cache_hit_rate", "prefix-cache hit rate: cached / prompt tokens", registry=r
         )
@@ -391,6 +401,12 @@ class Metrics:
         self.engine.recent.add(stats, time.time())
         if stats.prompt_tokens:
             self.hit_rate.set(stats.cached_tokens / stats.prompt_tokens)
+
+    def observe_lora(self, lora_name: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A request on LoRA adapter `lora_name` finished."""
+        self.lora_requests.labels(lora_name=lora_name).inc()
+        self.lora_tokens.labels(lora_name=lora_name, kind="prompt").inc(prompt_tokens)
+        self.lora_tokens.labels(lora_name=lora_name, kind="generation").inc(completion_tokens)
 
     def observe_output(
         self,

@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Mapping
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,6 +21,7 @@ from kiln.scheduler.io import OutputAccumulator, ReqOutput
 from kiln.scheduler.validate import Limits, validate_request
 from kiln.server.constraints import check_constraint, check_tool_parameters, response_format_schema
 from kiln.server.engine_client import EngineClient
+from kiln.server.lora_routes import LoraNames
 from kiln.server.native import LogprobShape, logprob_starts, native_body
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kiln.server.responses import (
@@ -67,9 +69,14 @@ class OpenAIServing:
         self.model_name = model_name
         self.request_timeout = request_timeout
         self.token_bytes = longest_token_bytes(tokenizer)
+        self.lora = LoraNames(False)  # the adapters loaded, set by the launch when LoRA is served
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request names by its model ("BASE:ADAPTER") or lora_path, or None (the base)."""
+        if self.lora.enabled:
+            return self.lora.of_model(name, self.model_name, lora_path)
         check_model_name(name, self.model_name)
+        return None
 
     # ------------------------------------------------------------------ building the plan
     def encode(self, text: str, param: str = "prompt") -> list[int]:
@@ -111,6 +118,7 @@ class OpenAIServing:
         rid: str | list[str] | None = None,
         batch_param: tuple[str, str] = ("prompt", "n"),
         logprob_starts: list[int] | None = None,
+        loras: list[str | None] | None = None,
     ) -> FanOut:
         """Every prompt's own params (its own logprob_start_len where given), validated against the limits,
         fanned out into its n samples; refused when a client's request id is in use or the queue has no room for
@@ -136,7 +144,7 @@ class OpenAIServing:
         active = self.client.num_active
         if self.max_in_flight is not None and active + len(plan.samples) > self.max_in_flight:
             raise QueueFull(active, self.max_in_flight)  # it fits once others finish: waiting helps
-        return plan
+        return replace(plan, loras=tuple(loras)) if loras else plan
 
     def refuse_never_admitted(self, prompts: int, samples: int, batch_param: tuple[str, str]) -> None:
         """A request of more generations than the in-flight limit can never be admitted, however long its
@@ -166,15 +174,19 @@ class OpenAIServing:
         return time.time() + self.request_timeout if self.request_timeout else None
 
     async def _warm_prefixes(self, plan: FanOut) -> None:
-        for ids in plan.warm:
-            await self.client.prefill_only(ids)
+        for ids, lora in zip(plan.warm, plan.warm_loras()):
+            await self.client.prefill_only(ids, lora)
 
     async def _run_all(self, plan: FanOut, raw: Request) -> list[OutputAccumulator]:
         """Runs every sample to the end; a client disconnect cancels (and so aborts) them all."""
         await self._warm_prefixes(plan)
         deadline = self.request_deadline()
         return await until_done(
-            (self.client.collect(s.input_ids, s.params, s.rid, deadline) for s in plan.samples), raw
+            (
+                self.client.collect(s.input_ids, s.params, s.rid, deadline, lora_path=plan.lora(s.index))
+                for s in plan.samples
+            ),
+            raw,
         )
 
     async def _stream_all(self, plan: FanOut) -> AsyncIterator[tuple[int, ReqOutput]]:
@@ -184,7 +196,7 @@ class OpenAIServing:
 
         async def pump(k: int, sample: Sample) -> None:
             async for out in self.client.generate(
-                sample.input_ids, sample.params, True, sample.rid, deadline
+                sample.input_ids, sample.params, True, sample.rid, deadline, lora_path=plan.lora(sample.index)
             ):
                 queue.put_nowait((k, out))
 
@@ -202,7 +214,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ endpoints
     async def completions(self, req: CompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model, req.lora_path)
         if req.best_of not in (None, 1, req.n):
             raise InvalidParam("best_of", "best_of is not supported (only best_of == n)")
         if req.suffix is not None:
@@ -222,7 +234,10 @@ class OpenAIServing:
             self.refuse_never_admitted(len(req.prompt), len(req.prompt) * params.n, ("prompt", "n"))
         prompts = self._completion_prompts(req.prompt)
         with req.own_names():
-            plan = self._plan(prompts, params, req.max_tokens if req.max_tokens is not None else 16, req.rid)
+            max_tokens = req.max_tokens if req.max_tokens is not None else 16
+            plan = self._plan(
+                prompts, params, max_tokens, req.rid, loras=[lora] * len(prompts) if lora else None
+            )
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         echoes = echo_prefixes(self.tokenizer, req.prompt, plan.samples) if req.echo else None
@@ -304,7 +319,7 @@ class OpenAIServing:
         self.refuse_beyond_context(len(str(text).encode("utf-8")), "messages")
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model, req.lora_path)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs or 0
         if top and not req.logprobs:
@@ -316,7 +331,7 @@ class OpenAIServing:
         check_constraint(params, self.grammar_backend, tools.constrain(params))
         prompt = self._chat_prompt(req, tools)
         with req.own_names():
-            plan = self._plan([prompt], params, max_tokens, req.rid)
+            plan = self._plan([prompt], params, max_tokens, req.rid, loras=[lora] if lora else None)
         readers = [tools.reader(self.tokenizer, prompt) for _ in plan.samples]
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if req.stream:
@@ -382,7 +397,8 @@ class OpenAIServing:
         shape = (
             LogprobShape(req.top_logprobs_num, req.return_text_in_logprobs) if req.return_logprob else None
         )
-        plan = self._plan(prompts, params, params.max_new_tokens, req.rid, batch_param, starts)
+        loras = self.lora.per_prompt(req.lora_path, len(prompts))
+        plan = self._plan(prompts, params, params.max_new_tokens, req.rid, batch_param, starts, loras)
         if req.stream:
             return self._sse(self._generate_stream(plan, shape))
         results = await self._run_all(plan, raw)

@@ -22,7 +22,10 @@ class Unsupported:
     reason: str
 
 
-_NO_LORA = "LoRA adapters are not supported by Kiln: serve a model with the adapter merged into its weights"
+_NO_LORA = (
+    "LoRA adapters are off on this Kiln server: start it with --enable-lora and --lora-paths NAME=PATH (or load "
+    "them with POST /load_lora_adapter), or serve a model with the adapter merged into its weights"
+)
 _NO_MULTIMODAL = "Kiln serves text-only models: image, video and audio inputs are not supported"
 _NO_DISAGGREGATION = "prefill/decode disaggregation is not supported by Kiln"
 
@@ -83,14 +86,15 @@ def _unused(value: Any, accepted: tuple[Any, ...]) -> bool:
     return any(value is item or (type(value) is type(item) and value == item) for item in accepted)
 
 
-def refuse_unsupported(body: BaseModel, prefix: str = "") -> None:
+def refuse_unsupported(body: BaseModel, prefix: str = "", served: frozenset[str] = frozenset()) -> None:
     """Raises InvalidParam naming the first field of `body` (nested bodies included) that Kiln accepts only at
-    its default but was given another value."""
+    its default but was given another value; `served` names those this server takes after all (lora_path with
+    --enable-lora)."""
     for name in type(body).model_fields:
         value = getattr(body, name)
         if isinstance(value, BaseModel):
-            refuse_unsupported(value, f"{prefix}{name}.")
-        rule = UNSUPPORTED.get(name)
+            refuse_unsupported(value, f"{prefix}{name}.", served)
+        rule = UNSUPPORTED.get(name) if name not in served else None
         if rule is not None and not _unused(value, rule.accepted):
             shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
             raise InvalidParam(f"{prefix}{name}", f"{prefix}{name}={shown}: {rule.reason}")
@@ -98,7 +102,8 @@ def refuse_unsupported(body: BaseModel, prefix: str = "") -> None:
 
 def check_model_name(asked: str | None, served: str) -> None:
     """SGLang serves one model and answers whatever `model` a request names (its docs use "default"); only the
-    form "<served name>:<adapter>" (or "<base>:<adapter>") means more, a LoRA adapter, which Kiln refuses."""
+    form "<served name>:<adapter>" (or "<base>:<adapter>") means more, a LoRA adapter, refused here: a server
+    without --enable-lora (kiln.server.lora_routes resolves it on one with)."""
     if asked is None or ":" not in asked or asked == served:
         return
     adapter = asked[len(served) + 1 :] if asked.startswith(f"{served}:") else asked.split(":", 1)[1]
