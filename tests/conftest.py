@@ -260,9 +260,15 @@ def server(tmp_path_factory):
     (--cpu-gemm exact): test_server_correctness holds its greedy output equal to transformers' on the file."""
     log = tmp_path_factory.mktemp("server") / "serve.log"
     flags = ["--max-total-tokens", "16384", "--max-running-requests", "32", "--chunked-prefill-size", "512"]
-    srv = ServerProcess([*flags, "--cpu-gemm", "exact"], log)
+    yield from served([*flags, "--cpu-gemm", "exact"], log)
+
+
+def served(args: list[str], log: Path, ready_timeout: float = 300.0):
+    """A `kiln serve` for a fixture (`yield from served(...)`): ready before its tests, its pool back at baseline
+    after them (nothing leaked), then stopped."""
+    srv = ServerProcess(args, log)
     try:
-        srv.wait_ready()
+        srv.wait_ready(ready_timeout)
         yield srv
         assert_pool_at_baseline(srv.url)
     finally:

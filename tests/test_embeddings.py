@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import ServerProcess, assert_pool_at_baseline
+from conftest import ServerProcess, served
 from model_equality import random_model
 
 import kiln
@@ -104,13 +104,7 @@ def cosine(a, b) -> float:
 
 
 def serve(path: str, log: Path, *extra: str) -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--model-path", path, *SERVE, *extra], log)
-    try:
-        srv.wait_ready()
-        yield srv
-        assert_pool_at_baseline(srv.url)
-    finally:
-        srv.stop()
+    yield from served(["--model-path", path, *SERVE, *extra], log)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from conftest import ServerProcess, assert_pool_at_baseline
+from conftest import served
 from lora_models import build_adapter, build_adapters, merged_model
 from test_correctness import hf_greedy, make_prompt, token_stream
 
@@ -34,15 +34,8 @@ def server(tiny_llama: str, adapters, tmp_path_factory):
         f"beta={adapters['beta']}",
     ]
     flags += ["--max-loras-per-batch", "2", "--max-lora-rank", "8", "--max-total-tokens", "4096"]
-    srv = ServerProcess(
-        [*flags, "--max-running-requests", "32"], tmp_path_factory.mktemp("lora") / "serve.log"
-    )
-    try:
-        srv.wait_ready(timeout=240)
-        yield srv
-        assert_pool_at_baseline(srv.url)
-    finally:
-        srv.stop()
+    log = tmp_path_factory.mktemp("lora") / "serve.log"
+    yield from served([*flags, "--max-running-requests", "32"], log, ready_timeout=240)
 
 
 @pytest.fixture(scope="module")

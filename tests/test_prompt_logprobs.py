@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import ServerProcess, assert_pool_at_baseline
+from conftest import ServerProcess, served
 from test_correctness import load_hf, make_prompt, token_stream
 
 import kiln
@@ -141,13 +141,7 @@ def test_rows_are_scored_a_chunk_at_a_time() -> None:
 def server(tiny_llama: str, tmp_path_factory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("prompt-logprobs") / "serve.log"
     args = ["--model-path", tiny_llama, "--max-total-tokens", "4096", "--num-threads", "1"]
-    srv = ServerProcess([*args, "--chunked-prefill-size", str(CHUNK)], log)
-    try:
-        srv.wait_ready()
-        yield srv
-        assert_pool_at_baseline(srv.url)
-    finally:
-        srv.stop()
+    yield from served([*args, "--chunked-prefill-size", str(CHUNK)], log)
 
 
 def generate(server: ServerProcess, body: dict) -> httpx.Response:

@@ -63,9 +63,8 @@ class LoraBatch:
     max_rank: int
     max_rows: int
     device: str | torch.device = "cpu"
-    method: str = (
-        "torch"  # torch (dense or grouped, whichever the batch makes cheaper) | dense | grouped | triton
-    )
+    # torch (dense or grouped, whichever the batch makes cheaper) | dense | grouped | triton
+    method: str = "torch"
     rows: int = 0  # the current batch's row count
     slot_ids: torch.Tensor = field(init=False)
     scaling: torch.Tensor = field(init=False)
@@ -89,9 +88,8 @@ class LoraBatch:
         self.slot_ids[:n].copy_(slots, non_blocking=True)
         self.rows = n
         host, self.groups = slots.cpu(), []
-        if (
-            self.method != "triton"
-        ):  # the kernels read the slots on the device; the torch forms group on the host
+        # the Triton kernels read the slots on the device; the torch forms group the rows on the host
+        if self.method != "triton":
             self.groups = [
                 (int(s), (host == s).nonzero().flatten().to(self.device)) for s in host.unique() if s >= 0
             ]
