@@ -59,9 +59,8 @@ class ModelRunner:
         self.last_forward_graph = False
         self.last_hidden: torch.Tensor | None = None  # the last forward's [rows, width], if kept
         self.prompt_hidden: torch.Tensor | None = None  # the last forward's hidden_index rows (prompt lps)
-        self.lora: LoraManager | None = (
-            None  # the adapters and their slots, when LoRA is served (kiln.runner.lora)
-        )
+        # the adapters and their slots, when LoRA is served (kiln.runner.lora)
+        self.lora: LoraManager | None = None
 
     def _avail(self) -> str:
         return gib(available_memory_bytes(self.device))

@@ -144,9 +144,8 @@ class Scheduler(StepCycle, OverlapSchedule):
         self._decode_tokens_since_log = 0
         self._decode_log_t0 = time.perf_counter()
         self._comm_logged = 0.0  # distributed.comm_seconds() at the last decode log
-        self.lora_slots = AdapterPins(
-            getattr(runner, "lora", None)
-        )  # LoRA: each request's adapter slot, admission to end
+        # LoRA: each request's adapter slot, from admission to its end (a fake runner in tests has no .lora)
+        self.lora_slots = AdapterPins(getattr(runner, "lora", None))
         self.forward_thread = ForwardThread(self._forward_and_sample) if overlap else None
         self.in_flight: InFlight | None = None  # the decode step launched and not yet processed (overlap)
 
