@@ -55,6 +55,14 @@ def compute_capability_tuple(text: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# why a LoRA field or route is refused on a server without --enable-lora (the front and the engine say it alike)
+LORA_OFF = (
+    "LoRA adapters are off on this Kiln server: start it with --enable-lora and --lora-paths NAME=PATH (or load them "
+    "with POST /load_lora_adapter once it runs with --enable-lora), or serve a model with the adapter merged into "
+    "its weights"
+)
+
+
 def lora_path_pairs(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """--lora-paths as (name, path) pairs: NAME=PATH, a PATH named by itself, or SGLang's JSON object with
     lora_name and lora_path. Raises ValueError naming the flag and the value."""

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.config import LORA_OFF
 from kiln.runner.lora import AdapterError, LoraManager
 from kiln.scheduler.req import Req
-
-LORA_OFF = "LoRA adapters are off on this server: start it with --enable-lora (or --lora-paths)"
 
 
 class AdapterPins:

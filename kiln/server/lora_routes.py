@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from kiln.config import ServerArgs, lora_path_pairs
+from kiln.config import LORA_OFF, ServerArgs, lora_path_pairs
 from kiln.sampling_params import InvalidParam
-from kiln.scheduler.adapters import LORA_OFF
 from kiln.server.protocol import error_body
+from kiln.server.sglang_fields import adapter_named
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -63,10 +63,9 @@ class LoraNames:
     def of_model(self, asked: str | None, served: str, lora_path: str | list | None = None) -> str | None:
         """The adapter an OpenAI request names: model "<served or any base>:<adapter>", else its lora_path. A
         model name without an adapter is the base model's, whatever it says (as SGLang)."""
-        if asked is not None and ":" in asked and asked != served:
-            adapter = asked[len(served) + 1 :] if asked.startswith(f"{served}:") else asked.split(":", 1)[1]
-            if adapter.strip():
-                return self.check(adapter.strip(), "model")
+        adapter = adapter_named(asked, served)
+        if adapter:
+            return self.check(adapter, "model")
         if isinstance(lora_path, list):
             raise InvalidParam("lora_path", "lora_path of an OpenAI request is one adapter's name (or null)")
         return None if lora_path is None else self.check(lora_path, "lora_path")

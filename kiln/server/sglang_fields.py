@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from kiln.config import LORA_OFF
 from kiln.sampling_params import InvalidParam
 
 
@@ -22,15 +23,11 @@ class Unsupported:
     reason: str
 
 
-_NO_LORA = (
-    "LoRA adapters are off on this Kiln server: start it with --enable-lora and --lora-paths NAME=PATH (or load "
-    "them with POST /load_lora_adapter), or serve a model with the adapter merged into its weights"
-)
 _NO_MULTIMODAL = "Kiln serves text-only models: image, video and audio inputs are not supported"
 _NO_DISAGGREGATION = "prefill/decode disaggregation is not supported by Kiln"
 
 UNSUPPORTED: dict[str, Unsupported] = {
-    "lora_path": Unsupported((None,), _NO_LORA),
+    "lora_path": Unsupported((None,), LORA_OFF),
     "custom_logit_processor": Unsupported((None,), "custom logit processors are not supported by Kiln"),
     "custom_params": Unsupported((None,), "custom logit processor parameters are not supported by Kiln"),
     "image_data": Unsupported((None,), _NO_MULTIMODAL),
@@ -100,16 +97,23 @@ def refuse_unsupported(body: BaseModel, prefix: str = "", served: frozenset[str]
             raise InvalidParam(f"{prefix}{name}", f"{prefix}{name}={shown}: {rule.reason}")
 
 
-def check_model_name(asked: str | None, served: str) -> None:
-    """SGLang serves one model and answers whatever `model` a request names (its docs use "default"); only the
-    form "<served name>:<adapter>" (or "<base>:<adapter>") means more, a LoRA adapter, refused here: a server
-    without --enable-lora (kiln.server.lora_routes resolves it on one with)."""
+def adapter_named(asked: str | None, served: str) -> str | None:
+    """The LoRA adapter a request's `model` names, or None. SGLang serves one model and answers whatever `model` a
+    request names (its docs use "default"); only the form "<served name>:<adapter>" (or "<base>:<adapter>") means
+    more."""
     if asked is None or ":" not in asked or asked == served:
-        return
+        return None
     adapter = asked[len(served) + 1 :] if asked.startswith(f"{served}:") else asked.split(":", 1)[1]
-    if adapter.strip():
+    return adapter.strip() or None
+
+
+def check_model_name(asked: str | None, served: str) -> None:
+    """A `model` naming a LoRA adapter, refused here: a server without --enable-lora (kiln.server.lora_routes
+    resolves it on one with)."""
+    adapter = adapter_named(asked, served)
+    if adapter:
         raise InvalidParam(
             "model",
-            f"model {asked!r} names the LoRA adapter {adapter.strip()!r}; {_NO_LORA}. Any other name (or none) "
+            f"model {asked!r} names the LoRA adapter {adapter!r}; {LORA_OFF}. Any other name (or none) "
             f"is served by {served!r}",
         )
