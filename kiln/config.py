@@ -246,6 +246,9 @@ class ServerArgs:
         30.0, "on SIGTERM, seconds in-flight requests may take to finish before abort"
     )
     disable_metrics: bool = _f(False, "do not serve Prometheus /metrics")
+    disable_console: bool = _f(
+        False, "do not serve the built-in console (the web page at / and /ui: startup, memory, load, chat)"
+    )
     watchdog_timeout: float = _f(300.0, "seconds a forward step or startup phase may make no progress")
     log_level: str = _f("info", "logging level")
     log_requests: bool = _f(

@@ -263,23 +263,23 @@ def server(tmp_path_factory):
     yield from served([*flags, "--cpu-gemm", "exact"], log)
 
 
-def served(args: list[str], log: Path, ready_timeout: float = 300.0):
+def served(args: list[str], log: Path, ready_timeout: float = 300.0, headers: dict | None = None):
     """A `kiln serve` for a fixture (`yield from served(...)`): ready before its tests, its pool back at baseline
-    after them (nothing leaked), then stopped."""
+    after them (nothing leaked), then stopped. `headers`: what /get_server_info needs (a server's --api-key)."""
     srv = ServerProcess(args, log)
     try:
         srv.wait_ready(ready_timeout)
         yield srv
-        assert_pool_at_baseline(srv.url)
+        assert_pool_at_baseline(srv.url, headers=headers)
     finally:
         srv.stop()
 
 
-def assert_pool_at_baseline(url: str, timeout: float = 20.0) -> dict:
+def assert_pool_at_baseline(url: str, timeout: float = 20.0, headers: dict | None = None) -> dict:
     """No request holds KV or a table row, and free + cached + in use == total."""
     deadline = time.time() + timeout
     while True:
-        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+        info = httpx.get(f"{url}/get_server_info", headers=headers, timeout=10).json()
         integ = info["integrity"]
         idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and integ["in_use"] == 0
         if (integ["ok"] and idle) or time.time() > deadline:

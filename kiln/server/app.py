@@ -20,6 +20,7 @@ from kiln.config import ServerArgs
 from kiln.sampling_params import InvalidParam
 from kiln.scheduler.io import EngineState, SchedulerStats, ServerInfo
 from kiln.server.bodies import decode_json, read_body
+from kiln.server.console import CONSOLE_PATHS, add_console_routes
 from kiln.server.embeddings import EmbeddingRequest, EncodeRequest, PooledAborted, PoolingServing
 from kiln.server.engine_client import EngineClient
 from kiln.server.lora_routes import (
@@ -54,7 +55,8 @@ if TYPE_CHECKING:
     from kiln.server.metrics import Metrics
 
 logger = logging.getLogger("kiln")
-OPEN_PATHS = {"/live", "/ready", "/health", "/health_generate", "/status", "/metrics"}
+# the console's page and assets hold no data: the routes they call keep the key
+OPEN_PATHS = {"/live", "/ready", "/health", "/health_generate", "/status", "/metrics", *CONSOLE_PATHS}
 GENERATION_PATHS = {
     "/v1/completions",
     "/v1/chat/completions",
@@ -122,6 +124,10 @@ def create_app(state: ServerState) -> FastAPI:
     _add_openai_routes(app, state)
     _add_control_routes(app, state)
     add_lora_routes(app, state.lora, _parse_body, lambda: _serving(state).client)
+    if not state.args.disable_console:
+        add_console_routes(
+            app, api_key_required=bool(state.args.api_key), metrics=not state.args.disable_metrics
+        )
     app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app
 
@@ -463,7 +469,7 @@ def _hierarchical_cache(stats: SchedulerStats) -> dict:
 
 class GateMiddleware:
     """Plain ASGI (so client disconnects still reach the handlers): 503 for generation while shutting down,
-    401 without the API key (probes and /metrics stay open)."""
+    401 without the API key (probes, /metrics and the console's page stay open)."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
