@@ -263,12 +263,14 @@ def server(tmp_path_factory):
     yield from served([*flags, "--cpu-gemm", "exact"], log)
 
 
-def served(args: list[str], log: Path, ready_timeout: float = 300.0, headers: dict | None = None):
+def served(args: list[str], log: Path, ready_timeout: float | None = 300.0, headers: dict | None = None):
     """A `kiln serve` for a fixture (`yield from served(...)`): ready before its tests, its pool back at baseline
-    after them (nothing leaked), then stopped. `headers`: what /get_server_info needs (a server's --api-key)."""
+    after them (nothing leaked), then stopped. `headers`: what /get_server_info needs (a server's --api-key);
+    `ready_timeout` None: yielded as soon as started, for a fixture that watches the startup itself."""
     srv = ServerProcess(args, log)
     try:
-        srv.wait_ready(ready_timeout)
+        if ready_timeout is not None:
+            srv.wait_ready(ready_timeout)
         yield srv
         assert_pool_at_baseline(srv.url, headers=headers)
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -87,11 +88,12 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("console") / "serve.log"
     flags = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--api-key", KEY]
     flags += ["--served-model-name", "SmolLM2-135M-Instruct"]  # a name, not a path, in the screenshot
-    yield from served(flags, log, headers=AUTH)
+    yield from served(flags, log, ready_timeout=None, headers=AUTH)  # the console fixture watches it start
 
 
 class Console:
-    """One page over the module's server, with what it requested and every error it logged."""
+    """One page over the module's server, opened while it starts, with what it requested and every error it
+    logged."""
 
     def __init__(self, page, url: str):
         self.page, self.url = page, url
@@ -110,14 +112,82 @@ def console(server):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             view = Console(browser.new_page(viewport={"width": 1280, "height": 1000}), server.url)
+            wait_for_http(server)
             view.page.goto(f"{server.url}/")
+            # the phase badge and the timeline's live row, each time the page changes them
+            view.page.evaluate(
+                """() => {
+                window.phases = [];
+                window.liveRows = 0;
+                new MutationObserver(() => {
+                    const phase = document.getElementById('phase').textContent;
+                    if (window.phases.at(-1) !== phase) window.phases.push(phase);
+                    window.liveRows += document.querySelectorAll('#timeline tr.current').length;
+                }).observe(document.body, {childList: true, subtree: true, characterData: true});
+            }"""
+            )
             view.page.locator("#key-panel").wait_for(state="visible", timeout=10_000)
             view.page.fill("#key-input", KEY)
             view.page.click("#key-send")
+            server.wait_ready(300)
             view.page.locator("#settings dd").first.wait_for(timeout=15_000)
             yield view
         finally:
             browser.close()
+
+
+def wait_for_http(server, timeout: float = 120.0) -> None:
+    """Until the starting server answers /status (its HTTP comes up before the engine)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"kiln serve exited:\n{server.log_text()[-3000:]}")
+        try:
+            httpx.get(f"{server.url}/status", timeout=2)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(f"kiln serve did not answer in {timeout} s")
+
+
+@needs_chromium
+def test_the_page_follows_the_startup_live(console):
+    phases = console.page.evaluate("window.phases")
+    starting = [p for p in phases if p not in ("connecting", "ready")]
+    assert starting and phases[-1] == "ready", phases  # a phase of the startup, then ready
+    assert console.page.evaluate("window.liveRows") > 0  # the running phase's row, growing
+
+
+@needs_chromium
+def test_predicted_seconds_and_the_eta_are_shown_where_status_gives_them(console, server):
+    """A starting server's /status with predictions (canned: this server's may have none), in a second tab."""
+    status = {
+        "phase": "loading_weights", "progress": {}, "error": None, "elapsed": 9.0, "ledger": None,
+        "timings": {"launching": 4.0, "building_kernels": 1.0},
+        "predicted_s": {"launching": 5.0, "building_kernels": 0.5, "loading_weights": 6.0, "warming_up": 2.0,
+                        "total": 13.5},
+        "eta_s": 4.5,
+    }  # fmt: skip
+    page = console.page.context.browser.new_page()
+    try:
+        page.route("**/status", lambda route: route.fulfill(json=status))
+        page.goto(f"{server.url}/ui")
+        page.locator('#timeline tr[data-phase="warming_up"]').wait_for(timeout=10_000)
+        rows = {
+            p: page.text_content(f'#timeline tr[data-phase="{p}"]')
+            for p in status["predicted_s"]
+            if p != "total"
+        }
+        assert "4.0 s" in rows["launching"] and "5.0 s" in rows["launching"], rows
+        assert "4.0 s" in rows["loading_weights"] and "6.0 s" in rows["loading_weights"], (
+            rows
+        )  # live: 9 - 5 s
+        assert "2.0 s" in rows["warming_up"], rows  # predicted, not reached yet
+        assert page.text_content("#phase") == "loading_weights"
+        assert page.text_content("#eta") == "ready in ~4.5 s"
+        assert "predicted 13.5 s" in page.text_content("#startup-total")
+    finally:
+        page.close()
 
 
 @needs_chromium

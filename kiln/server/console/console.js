@@ -98,6 +98,8 @@ function renderStartup(status) {
   $("phase").textContent = phase;
   $("phase").className = `badge ${phase === "ready" ? "ready" : phase === "failed" ? "failed" : ""}`;
   const { rows, done } = phaseRows(status);
+  // without predictions in /status (an older server, or none made) only the actual seconds are shown
+  $("timeline").classList.toggle("no-prediction", !status.predicted_s);
   const scale = Math.max(1e-9, ...rows.map((r) => Math.max(r.actual || 0, r.predicted || 0)));
   $("timeline").tBodies[0].replaceChildren(
     ...rows.map((r) => {
@@ -176,7 +178,7 @@ async function pollStatus() {
     const nowReady = status.phase === "ready";
     if (nowReady && !ready) {
       ready = true;
-      loadInfo();
+      loadInfo().catch((err) => fillGrid($("settings"), [["error", err.message]]));
       if (config.metrics) pollMetrics();
     }
     renderStartup(status);
@@ -192,6 +194,7 @@ async function pollStatus() {
 // ------------------------------------------------------------------------------------------------ model and settings
 async function loadInfo() {
   const models = await (await api("v1/models")).json();
+  if (!models.data) throw new Error(`/v1/models: ${JSON.stringify(models)}`);
   modelId = models.data[0].id;
   $("model").textContent = modelId;
   const info = await (await api("get_server_info")).json();
@@ -334,4 +337,6 @@ $("chat-form").addEventListener("submit", sendChat);
 $("chat-input").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) sendChat(event);
 });
+// the key up front, while the server starts: what needs it runs once the server is ready
+if (config.auth && !sessionStorage.getItem(KEY_STORE)) askForKey(false);
 pollStatus();
