@@ -227,7 +227,9 @@ class ServerArgs:
     stream_interval: int = _f(1, "decode steps between streamed chunks")
     decode_log_interval: int = _f(40, "decode steps between 'Decode batch' log lines")
     skip_server_warmup: bool = _f(False, "mark ready without a warm-up request")
-    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' (probes and /metrics stay open)")
+    api_key: str | None = _f(
+        None, "require 'Authorization: Bearer KEY' (probes, /metrics and the console's page stay open)"
+    )
     max_queued_requests: int | None = _f(None, "waiting requests beyond which new ones get 429")
     request_timeout: float | None = _f(None, "seconds after which a request is aborted")
     max_request_bytes: int | None = _f(

@@ -253,7 +253,7 @@ async function pollMetrics() {
       ["generation", rate == null ? "—" : `${rate.toFixed(1)} tokens/s`],
       ["KV usage", percent(m["kiln:token_usage"])],
       ["prefix hit rate", percent(m["kiln:cache_hit_rate"])],
-      ["spec acceptance", spec == null ? null : `${percent(spec)}, ${m["sglang:spec_accept_length"].toFixed(2)} tokens/step`],
+      ["spec acceptance", spec == null ? null : `${percent(spec)}, ${(m["sglang:spec_accept_length"] ?? NaN).toFixed(2)} tokens/step`],
     ]);
   } catch (err) {
     fillGrid($("load"), [["metrics", "unreachable"]]);
