@@ -1,12 +1,14 @@
 """Multi-LoRA throughput: a batch of 32 requests whose adapters are 1, 4 or 16 distinct LoRA adapters, against the
-same batch on the base model, on a server without LoRA and on the LoRA server itself (its base rows add nothing).
+same batch on the base model, on a server without LoRA and on the LoRA server itself (its base rows add nothing),
+each with every step eager and with the decode step compiled at the batch's size (--cuda-graph-bs 32: under LoRA
+the compiled step runs the dense delta over every slot, kiln.layers.lora).
 
 The adapters are random rank-16 LoRAs on all seven projections of the default model (SmolLM2-135M), written in
 PEFT's layout. Both engines run in this process, the workloads alternating repetition by repetition (A/B, order
 swapped each repetition); each figure is the minimum over the repetitions of the batch's wall time, reported as
 output tokens per second, with the host's CPU model beside it.
 
-    .venv/bin/python benchmarks/bench_lora.py [--reps 3] [--threads 1]
+    .venv/bin/python benchmarks/bench_lora.py [--reps 3] [--threads 1] [--graphs both|off|on]
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--graphs", choices=["both", "off", "on"], default="both", help="compiled decode steps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = default_model_path()
@@ -78,21 +81,28 @@ def main() -> None:
     common = dict(
         model_path=model, num_threads=args.threads, max_running_requests=BATCH, max_total_tokens=8192
     )
-    engines = {
-        "no LoRA": kiln.Engine(**common),
-        "LoRA server": kiln.Engine(
-            **common, lora_paths=tuple(paths), max_loras_per_batch=16, max_lora_rank=RANK
-        ),
-    }
+    modes = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}[args.graphs]
+    lora = dict(lora_paths=tuple(paths), max_loras_per_batch=16, max_lora_rank=RANK)
+    engines = {}
+    for mode in modes:
+        graphs = dict(cuda_graph_bs=(BATCH,)) if mode == "compiled" else {}
+        engines[f"no LoRA, {mode}"] = kiln.Engine(**common, **graphs)
+        engines[f"LoRA server, {mode}"] = kiln.Engine(**common, **lora, **graphs)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (args.input_len,), generator=gen).tolist() for _ in range(BATCH)]
-    workloads = {
-        "base, server without LoRA": ("no LoRA", None),
-        "base, LoRA server": ("LoRA server", [None] * BATCH),
-        "1 adapter": ("LoRA server", ["a0"] * BATCH),
-        "4 adapters": ("LoRA server", [f"a{i % 4}" for i in range(BATCH)]),
-        "16 adapters": ("LoRA server", [f"a{i % 16}" for i in range(BATCH)]),
-    }
+    workloads = {}
+    for mode in modes:
+        workloads[f"base, server without LoRA, {mode}"] = (f"no LoRA, {mode}", None)
+        workloads[f"base, LoRA server, {mode}"] = (f"LoRA server, {mode}", [None] * BATCH)
+        workloads[f"1 adapter, {mode}"] = (f"LoRA server, {mode}", ["a0"] * BATCH)
+        workloads[f"4 adapters, {mode}"] = (f"LoRA server, {mode}", [f"a{i % 4}" for i in range(BATCH)])
+        workloads[f"16 adapters, {mode}"] = (f"LoRA server, {mode}", [f"a{i % 16}" for i in range(BATCH)])
+    # the capture's verdict: a compiled shape that did not pay runs eagerly
+    for name, engine in engines.items():
+        graphs = engine.scheduler.runner.graphs
+        for shape in graphs.summary()["decode"]["shapes"] if graphs is not None else ():
+            print(f"{name}: decode bs={shape['size']} compiled {shape['graph_ms']:.1f} ms vs eager "
+                  f"{shape['eager_ms']:.1f} ms at capture, kept={shape['kept']}")  # fmt: skip
     for engine, loras in workloads.values():  # warm-up: first-touch of the slots, allocator growth
         run(engines[engine], prompts[:4], loras[:4] if loras else None, 2)
     best: dict[str, float] = {}
@@ -103,10 +113,10 @@ def main() -> None:
             tps = run(engines[engine], prompts, loras, args.output_len)
             best[name] = max(best.get(name, 0.0), tps)
             print(f"rep {rep}: {name}: {tps:.1f} tok/s", flush=True)
-    base = best["base, server without LoRA"]
+    base = best[f"base, server without LoRA, {modes[0]}"]
     print(f"\n{cpu_model()}, torch {torch.__version__}, {args.threads} thread(s), batch {BATCH} x ({args.input_len} in, "
           f"{args.output_len} out), rank {RANK} on all 7 projections, best of {args.reps}")  # fmt: skip
-    print("| workload | output tok/s | vs base without LoRA |\n|---|---|---|")
+    print(f"| workload | output tok/s | vs base without LoRA, {modes[0]} |\n|---|---|---|")
     for name in order:
         print(f"| {name} | {best[name]:.1f} | {best[name] / base:.2f}x |")
     for engine in engines.values():

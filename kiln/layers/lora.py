@@ -11,7 +11,8 @@ step (what a captured graph needs).
 
 Two ways to compute the delta on torch (chosen per batch), Triton kernels on CUDA (kiln.layers.triton_lora):
 - dense: one GEMM against every slot's A, a per-row mask that keeps the row's own slot (scaled), one GEMM against
-  every slot's B. No data-dependent shapes (capture-friendly); it costs slots x rank columns per row.
+  every slot's B. No data-dependent shapes: the form a compiled (captured) CPU decode step always runs, whatever
+  the batch's adapters; it costs slots x rank columns per row.
 - grouped: the rows of each slot present gathered and multiplied by that slot's A and B alone: the work of the
   adapters present only, but a loop over them decided on the host.
 """
@@ -151,6 +152,12 @@ class LoraWeights:
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus each row's adapter delta (y is updated in place where it can be, and returned)."""
         batch = self.batch
+        if torch.compiler.is_compiling():
+            # a compiled (captured) step: the dense form from the fixed buffers whatever the batch's adapters, its
+            # padded and base rows (slot -1) adding nothing. Nothing here reads the host's view of the batch
+            # (groups, rows), so dynamo has no Python state to guard on: a new mix of adapters does not recompile
+            x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+            return lora_delta_dense(x2, y2, self).view(y.shape)
         if batch.method == "triton":
             from kiln.layers.triton_lora import lora_delta_triton
 

@@ -64,12 +64,18 @@ class PayoffStore:
 
 
 def fingerprint(model) -> str:
-    """Host, threads, torch, kernel choice and the model's tensors (names, shapes, dtypes)."""
+    """Host, threads, torch, kernel choice and the model's tensors (names, shapes, dtypes), LoRA slots included."""
     h = hashlib.sha256()
     h.update(f"{platform.machine()}|{_cpu_name()}|{torch.get_num_threads()}|{torch.__version__}|".encode())
     h.update(f"{cpu_gemm_mode()}|".encode())
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    # LoRA slots (kiln.layers.lora) are no parameters, yet a compiled step runs their delta: a verdict timed with
+    # them belongs to their layout alone, and one timed without them to none
+    for name, module in model.named_modules():
+        lora = getattr(module, "lora", None)
+        if lora is not None:
+            h.update(f"{name}.lora:{tuple(lora.a.shape)}:{[tuple(b.shape) for b in lora.b]};".encode())
     return h.hexdigest()[:16]
 
 

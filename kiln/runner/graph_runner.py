@@ -40,6 +40,7 @@ from kiln.core.graph_shapes import (
     verify_rows,
 )
 from kiln.core.units import gib
+from kiln.layers.lora import LoraBatch
 from kiln.memory.kv_pool import token_bytes
 from kiln.platform import available_gb, available_memory_bytes, used_memory_bytes
 from kiln.runner.attention import AttentionBackend
@@ -173,13 +174,15 @@ class GraphRunner:
         verify_tokens_per_req: int = 0,
         decode_tokens_per_req: int = 1,
         catch_up_tokens_per_req: int = 0,
+        lora: LoraBatch | None = None,
     ):
         """attn_backend: the attention backend the model runs with (the model runner's); role: "target", or
         "draft" for a speculative draft model or head (SGLang's draft capture log lines); verify_tokens_per_req:
         under speculative decoding, the rows a verify step gives each request (num_draft_tokens; 0: none);
         decode_tokens_per_req: the rows a decode step gives each request (a tree draft's topk branches);
-        catch_up_tokens_per_req: a draft head's, the most tokens a catch-up gives a request (0: none captured)."""
-        self.model, self.device, self.role = model, device, role
+        catch_up_tokens_per_req: a draft head's, the most tokens a catch-up gives a request (0: none captured);
+        lora: the LoRA layers' shared batch when adapters are served (a shape's payoff is measured with it mixed)."""
+        self.model, self.device, self.role, self.lora = model, device, role, lora
         self.attn = attn_backend
         self.kv_token_bytes = token_bytes([*attn_backend.kv_pool.k, *attn_backend.kv_pool.v])
         self.cuda = device.startswith("cuda")
@@ -328,14 +331,22 @@ class GraphRunner:
             width = phase.backend.feature_width if phase.is_decode else feature_width(self.model)
             self.model.set_features(dummy_features(self.model, rows, self.device, width))
         earlier = self.payoff.get(phase.name, rec.size) if rec.cache_hit else None
-        if earlier is not None:
-            phase.backend.replay(rec.size, fb)  # the loaded code runs once before serving
-            (rec.graph_ms, rec.eager_ms), rec.timed_earlier = earlier, True
-        else:
-            rec.graph_ms, rec.eager_ms = _time_pair(
-                lambda: phase.backend.replay(rec.size, fb), lambda: self.model(fb)
-            )
-            self.payoff.put(phase.name, rec.size, rec.graph_ms, rec.eager_ms)
+        if self.lora is not None and phase.is_decode:
+            # a mixed batch, every slot present: the compiled step always runs the dense delta, while eager skips
+            # it for a base batch; timed on the base, a shape could be kept that does not pay for LoRA batches
+            self.lora.set_rows(torch.arange(rec.size) % self.lora.num_slots)
+        try:
+            if earlier is not None:
+                phase.backend.replay(rec.size, fb)  # the loaded code runs once before serving
+                (rec.graph_ms, rec.eager_ms), rec.timed_earlier = earlier, True
+            else:
+                rec.graph_ms, rec.eager_ms = _time_pair(
+                    lambda: phase.backend.replay(rec.size, fb), lambda: self.model(fb)
+                )
+                self.payoff.put(phase.name, rec.size, rec.graph_ms, rec.eager_ms)
+        finally:
+            if self.lora is not None:
+                self.lora.set_rows(None)
         rec.kept = rec.graph_ms <= rec.eager_ms * MAX_SLOWDOWN
         verdict = "kept" if rec.kept else f"does not pay: this {phase.name} shape runs eagerly"
         hit = " (cache hit)" if rec.cache_hit else ""

@@ -78,6 +78,7 @@ def capture_graphs(
         cache_dir=compile_cache_dir(args.compile_cache_dir),
         attn_backend=runner.attn_backend,
         verify_tokens_per_req=verify_tokens_per_req,
+        lora=runner.lora.batch if runner.lora is not None else None,
     )
     graphs.capture(on_progress)
     runner.graphs = graphs

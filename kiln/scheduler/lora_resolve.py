@@ -1,6 +1,6 @@
 """The LoRA flags resolved once, for `kiln plan`, `kiln serve` and `kiln.Engine` alike: the refusals, the slots'
 rank and projections from --lora-paths' adapter configs where the flags leave them out, and the steps that run
-eagerly under LoRA."""
+eagerly under LoRA (prefill always; decode on CUDA)."""
 
 from __future__ import annotations
 
@@ -38,11 +38,15 @@ def delta_method(args: ServerArgs, device: str) -> str:
     return "torch"
 
 
-def resolve_lora(args: ServerArgs) -> ServerArgs:
+def resolve_lora(args: ServerArgs, device: str = "cpu") -> ServerArgs:
     """args with --max-lora-rank and --lora-target-modules filled from the startup adapters' configs (all
-    projections when neither says), and graphs off: every LoRA step runs eagerly. (The Triton kernels read each
-    row's slot from a buffer of fixed address, so a captured decode step could replay them; that has not been run
-    on a GPU yet, so it is not turned on.) Raises ValueError naming the flag or the adapter."""
+    projections when neither says), and the steps that run eagerly: prefill graphs are off under LoRA (its pieces'
+    token counts are where the dense delta costs most; eager prefill picks dense or grouped per batch). On the CPU
+    the compiled decode steps stay as asked (--cuda-graph-max-bs): they run the dense delta from the slot buffers,
+    whatever the batch's adapters (kiln.layers.lora). On CUDA, or with Triton's kernels, every step runs eagerly:
+    the kernels read each row's slot from a buffer of fixed address, so a captured CUDA graph could replay them,
+    but that has not been run on a GPU yet, so it is not turned on. Raises ValueError naming the flag or the
+    adapter."""
     if not args.enable_lora:
         return args
     configs = []
@@ -62,10 +66,11 @@ def resolve_lora(args: ServerArgs) -> ServerArgs:
         named = {m for c in configs for m in c.target_modules}
         modules = tuple(m for m in TARGET_MODULES if m in named) if named <= set(TARGET_MODULES) else ()
         modules = modules or TARGET_MODULES  # "all-linear", a pattern, or no adapter yet: every projection
+    eager_decode = device.startswith("cuda") or delta_method(args, device) == "triton"
     return replace(
         args,
         max_lora_rank=rank,
         lora_target_modules=modules,
-        disable_cuda_graph=True,
+        disable_cuda_graph=args.disable_cuda_graph or eager_decode,
         disable_prefill_graph=True,
     )

@@ -1,0 +1,132 @@
+"""LoRA inside the CPU's compiled decode steps (--enable-lora with --cuda-graph-max-bs): a batch mixing adapters and
+the base replays the compiled step, whose dense delta reads the slot buffers, and gives transformers' greedy ids
+with each adapter merged (float32); a new mix of adapters does not recompile; an adapter loaded after capture is
+read by the compiled code from its slot, not baked in at capture."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from lora_models import build_adapters, merged_model
+from model_equality import one_torch_thread  # noqa: F401 (a module fixture: one torch thread)
+from test_correctness import hf_greedy, make_prompt, token_stream
+
+import kiln
+from kiln.runner import graph_runner
+
+pytestmark = pytest.mark.engine
+
+NEW = 6
+LENS = (3, 17, 40, 9)
+ARGS = dict(max_total_tokens=4096, max_running_requests=8, num_threads=1, max_loras_per_batch=3)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama: str, tmp_path_factory) -> dict[str, str]:
+    return build_adapters(tiny_llama, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    stream = token_stream()
+    return [make_prompt(stream, n, 41 * i + 7) for i, n in enumerate(LENS)]
+
+
+@pytest.fixture(scope="module")
+def want(tiny_llama: str, adapters: dict[str, str], prompts) -> dict[str | None, list[list[int]]]:
+    """transformers' greedy ids of every prompt under each adapter merged, and under the base (None)."""
+    out = {}
+    for name in (None, *adapters):
+        model = merged_model(tiny_llama, adapters.get(name) if name else None)
+        with torch.inference_mode():
+            out[name] = [hf_greedy(model, p, NEW, set())[0] for p in prompts]
+    return out
+
+
+class Steps:
+    """Each decode step's rows and whether it replayed compiled code (the runner's last_forward_graph)."""
+
+    def __init__(self, runner):
+        self.decodes: list[tuple[int, bool]] = []
+        inner = type(runner).forward.__get__(runner)
+
+        def forward(fb):
+            out = inner(fb)
+            if fb.kv_table is not None and fb.mode.name == "DECODE":
+                self.decodes.append((int(fb.kv_table.shape[0]), runner.last_forward_graph))
+            return out
+
+        runner.forward = forward
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: str, adapters: dict[str, str]):
+    # the engine forbids recompiles once captured, for the whole process: later tests compile functions
+    dynamo = torch._dynamo.config.patch(error_on_recompile=torch._dynamo.config.error_on_recompile)
+    with pytest.MonkeyPatch.context() as mp, dynamo:
+        mp.setattr(graph_runner, "MAX_SLOWDOWN", 1e9)  # keep every shape whatever its timing against eager
+        paths = tuple(f"{name}={adapters[name]}" for name in ("alpha", "beta"))
+        eng = kiln.Engine(model_path=tiny_llama, lora_paths=paths, cuda_graph_max_bs=4, **ARGS)
+        eng.steps = Steps(eng.scheduler.runner)
+        try:
+            yield eng
+        finally:
+            eng.shutdown()
+            gc.collect()
+
+
+def run(eng: kiln.Engine, prompts: list[list[int]], loras: list[str | None]) -> list[list[int]]:
+    params = [{"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True} for _ in prompts]
+    eng.steps.decodes.clear()
+    outs = eng.generate(input_ids=prompts, sampling_params=params, lora_path=loras)
+    return [o["output_ids"] for o in outs]
+
+
+def compiled_frames() -> int:
+    """Frames dynamo has compiled in this process: a recompile of the decode step adds one."""
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
+def test_decode_graphs_are_captured_under_lora(engine, want) -> None:
+    assert engine.parts.args.disable_prefill_graph and not engine.parts.args.disable_cuda_graph
+    assert engine.scheduler.runner.graphs.captured("decode") == [1, 2, 4]
+    assert want["alpha"] != want[None] and want["beta"] != want[None] and want["gamma"] != want[None]
+
+
+def test_mixed_batch_replays_compiled_steps(engine, prompts, want) -> None:
+    """Two adapters and the base in one batch of 4: every decode step replays the compiled bs=4 step (padded rows
+    and base rows add nothing), and the ids are transformers' with each row's adapter merged."""
+    loras = ["alpha", None, "beta", "alpha"]
+    got = run(engine, prompts, loras)
+    assert got == [want[n][i] for i, n in enumerate(loras)]
+    decodes = engine.steps.decodes
+    assert len(decodes) >= NEW - 1 and all(graph for _, graph in decodes), decodes
+    assert engine.check_integrity()["ok"]
+
+
+def test_new_adapter_mixes_do_not_recompile(engine, prompts, want) -> None:
+    """Batches whose adapter sets differ (one adapter, the other and the base, the base alone, a padded batch of 3)
+    replay the steps captured at startup: nothing in them is guarded on which adapters a batch holds."""
+    before = compiled_frames()
+    for loras in (["beta"] * 4, [None, "beta", None, "beta"], [None] * 4, ["alpha", "beta", None]):
+        got = run(engine, prompts[: len(loras)], loras)
+        assert got == [want[n][i] for i, n in enumerate(loras)], loras
+        assert engine.steps.decodes and all(graph for _, graph in engine.steps.decodes), loras
+    assert compiled_frames() == before
+
+
+def test_adapter_loaded_after_capture(engine, adapters, prompts, want) -> None:
+    """gamma, loaded at runtime into a slot no adapter held at capture: the compiled steps read its weights and
+    scaling from the slot buffers (inputs of the compiled code, not constants), beside alpha and the base."""
+    assert engine.load_lora_adapter("gamma", adapters["gamma"])["success"]
+    try:
+        before = compiled_frames()
+        loras = ["gamma", "alpha", None, "gamma"]
+        got = run(engine, prompts, loras)
+        assert got == [want[n][i] for i, n in enumerate(loras)]
+        assert all(graph for _, graph in engine.steps.decodes)
+        assert compiled_frames() == before
+    finally:
+        engine.unload_lora_adapter("gamma")
