@@ -68,7 +68,8 @@ def engine(tiny_llama: str, adapters: dict[str, str]):
     with pytest.MonkeyPatch.context() as mp, dynamo:
         mp.setattr(graph_runner, "MAX_SLOWDOWN", 1e9)  # keep every shape whatever its timing against eager
         paths = tuple(f"{name}={adapters[name]}" for name in ("alpha", "beta"))
-        eng = kiln.Engine(model_path=tiny_llama, lora_paths=paths, cuda_graph_max_bs=4, **ARGS)
+        # one shape (each compiles at a cold start): every batch below has 3 or 4 rows, run at bs=4
+        eng = kiln.Engine(model_path=tiny_llama, lora_paths=paths, cuda_graph_bs=(4,), **ARGS)
         eng.steps = Steps(eng.scheduler.runner)
         try:
             yield eng
@@ -91,7 +92,7 @@ def compiled_frames() -> int:
 
 def test_decode_graphs_are_captured_under_lora(engine, want) -> None:
     assert engine.parts.args.disable_prefill_graph and not engine.parts.args.disable_cuda_graph
-    assert engine.scheduler.runner.graphs.captured("decode") == [1, 2, 4]
+    assert engine.scheduler.runner.graphs.captured("decode") == [4]
     assert want["alpha"] != want[None] and want["beta"] != want[None] and want["gamma"] != want[None]
 
 
@@ -130,3 +131,23 @@ def test_adapter_loaded_after_capture(engine, adapters, prompts, want) -> None:
         assert compiled_frames() == before
     finally:
         engine.unload_lora_adapter("gamma")
+
+
+@pytest.mark.parametrize(
+    "device, backend, asked, eager",
+    [
+        ("cpu", "auto", False, False),  # compiled decode steps as --cuda-graph-max-bs asks
+        ("cpu", "auto", True, True),  # --disable-cuda-graph still wins
+        ("cpu", "triton", False, True),  # Triton's kernels (the interpreter on the CPU) are not compiled
+        ("cuda", "auto", False, True),  # CUDA graphs with the Triton kernels: not run on a GPU yet
+    ],
+)
+def test_resolve_keeps_decode_graphs_on_the_cpu_only(device, backend, asked, eager) -> None:
+    from kiln.config import ServerArgs
+    from kiln.scheduler.lora_resolve import resolve_lora
+
+    args = ServerArgs(
+        model_path="m", enable_lora=True, max_lora_rank=8, lora_backend=backend, disable_cuda_graph=asked
+    )
+    out = resolve_lora(args, device)
+    assert out.disable_cuda_graph is eager and out.disable_prefill_graph
