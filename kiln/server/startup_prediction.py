@@ -200,8 +200,10 @@ def _has_dir(kernel) -> bool:
 
 def model_bytes(model_path: str) -> int:
     """The model's weight files on disk: a GGUF file, or a directory's safetensors (or .bin) files."""
-    if os.path.isfile(model_path):
+    if os.path.isfile(model_path) and model_path.endswith((".gguf", ".safetensors")):
         return os.path.getsize(model_path)
+    if os.path.isfile(model_path):  # a config.json (kiln plan): the weights beside it
+        model_path = os.path.dirname(model_path) or "."
     try:
         names = os.listdir(model_path)
     except OSError:
