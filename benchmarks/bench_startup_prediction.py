@@ -72,7 +72,7 @@ def judge(run: dict) -> dict:
     for phase, seconds in actual.items():
         p = predicted.get(phase, 0.0)
         err = (p - seconds) / seconds if seconds else 0.0
-        judged = seconds >= MIN_PHASE_S or p >= MIN_PHASE_S
+        judged = seconds >= MIN_PHASE_S
         good = not judged or abs(err) <= PHASE_TOLERANCE
         ok &= good
         rows.append(

@@ -5,6 +5,7 @@ which only falls and is null at ready; the watchdog's per-phase limits; `kiln wa
 from __future__ import annotations
 
 import json
+import os
 import types
 
 import pytest
@@ -19,6 +20,7 @@ from kiln.wait import eta_text
 
 pytestmark = pytest.mark.unit
 GIB = 1 << 30
+CPUS = os.cpu_count() or 1
 
 
 def facts(**kw) -> sp.StartupFacts:
@@ -27,8 +29,13 @@ def facts(**kw) -> sp.StartupFacts:
 
 
 def test_phases_are_sizes_times_rates():
-    learned = {"load_s_per_gib": 10.0, "capture_cold_s": 30.0, "capture_warm_s": 4.0, "launching_s": 7.0}
     f = facts(shapes=("decode/1", "decode/2", "decode/4"), cached_shapes=frozenset({"decode/1"}))
+    learned = {
+        f"load_s_per_gib@{f.size_class}": 10.0,
+        "capture_cold_s": 30.0,
+        "capture_warm_s": 4.0,
+        "launching_s": 7.0,
+    }
     p = sp.predict(f, learned)
     assert p["loading_weights"] == 20.0  # 2 GiB x 10 s/GiB
     assert p["capturing"] == 2 * 30.0 + 4.0  # two cold shapes, one cached
@@ -177,9 +184,21 @@ def test_wait_shows_the_eta():
     assert eta_text(None) == ""
 
 
+def test_a_busy_host_scales_the_cpu_phases_and_teaches_idle_rates():
+    f = facts(shapes=("decode/1",), download_bytes=GIB)
+    idle, busy = sp.predict(f), sp.predict(facts(shapes=("decode/1",), download_bytes=GIB, slowdown=2.0))
+    assert busy["capturing"] == 2 * idle["capturing"] and busy["launching"] == 2 * idle["launching"]
+    assert busy["downloading"] == idle["downloading"]  # the network, not the CPU
+    # a start that ran with 4 runnable threads on 2 cores took twice what it would have alone
+    rates = sp.observed_rates(f, {"launching": 10.0, "capturing": 60.0}, None, {"launching": 2.0 * CPUS})
+    assert rates["launching_s"] == 5.0 and rates[f"capture_cold_s@{f.size_class}"] == 60.0
+    assert sp.contention(1.0, 2) == 1.0 and sp.contention(6.0, 2) == 3.0
+
+
 def test_plan_prints_the_prediction(tmp_path, monkeypatch, capsys):
     from kiln.plan import main
 
+    monkeypatch.setattr(sp, "contention_at_launch", lambda cpus=None: 1.0)  # an idle host's figures
     monkeypatch.setenv("KILN_STARTUP_HISTORY", str(tmp_path / "h.json"))
     cc = ["--compile-cache-dir", str(tmp_path / "cc"), "--cuda-graph-max-bs", "2"]
     assert main(["--json", *cc]) == 0

@@ -232,7 +232,7 @@ class Launcher:
 
         startup = self.state.startup
         try:
-            record(self.args, self.prediction[0], dict(startup.timings), startup.kernels)
+            record(self.args, self.prediction[0], dict(startup.timings), startup.kernels, dict(startup.loads))
         except Exception as e:  # noqa: BLE001 - a history that cannot be written costs the next estimate only
             logger.debug(f"startup history not recorded: {e!r}")
 

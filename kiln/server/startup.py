@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
@@ -26,6 +27,15 @@ PHASES = [
     "warming_up",
     "ready",
 ]
+
+
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not on this platform: taken as an idle host
+        return 0.0
+
+
 # the least a phase still running is expected to take (it has not ended yet)
 ETA_FLOOR_S = 0.5
 
@@ -35,6 +45,8 @@ class StartupState:
         self.phase = first_phase
         self.progress: dict = {}
         self.timings: dict[str, float] = {}
+        # the host's 1-minute load average as each phase ended: how contended the CPU was (startup_prediction)
+        self.loads: dict[str, float] = {}
         self.error: dict | None = None
         self.ledger: dict | None = None
         self.memory_check: list | None = None
@@ -64,6 +76,7 @@ class StartupState:
                 return
             now = time.time()
             self.timings[self.phase] = round(now - self._phase_start, 3)
+            self.loads[self.phase] = load_average()
             self.phase, self._phase_start, self.progress = phase, now, dict(info)
         self._emit({"event": "phase", "phase": phase, **info})
 

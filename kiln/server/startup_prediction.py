@@ -23,16 +23,16 @@ from kiln.server.startup_history import StartupHistory
 
 GIB = 1 << 30
 MARKER = "kiln_startup_shapes.json"  # in the compile cache directory: the shapes compiled there
-# Defaults for a host with no history, measured on the 2-core AMD EPYC CPU host (docs/benchmarks.md, "Startup
-# prediction"); a first start elsewhere learns its own. Deliberately on the slow side: an ETA that ends early
-# reads better than one that stalls at zero.
+# Defaults for a host with no history: the 2-core AMD EPYC CPU host's rates when idle (its busy starts divided by
+# their contention; docs/benchmarks.md, "Startup prediction"); a first start elsewhere learns its own.
 DEFAULTS: dict[str, float] = {
     "download_s_per_gib": 25.0,  # ~40 MiB/s
-    "launching_s": 12.0,  # spawn, import torch and the model classes, resolve
-    "kernel_cold_s": 80.0,  # one C++ extension compiled (per extension; its own recorded build time wins)
+    "launching_s": 7.0,  # spawn, import torch and the model classes, resolve
+    "kernel_cold_s": 50.0,  # one C++ extension compiled (per extension; its own recorded build time wins)
     "kernel_warm_s": 0.3,  # one cached extension loaded
+    "load_fixed_s": 7.0,  # build the model, read its metadata: what a small model's load is mostly made of
     "load_s_per_gib": 20.0,  # read, dequantize and prepack: a GGUF's bytes on disk
-    "allocating_kv_s": 0.5,
+    "allocating_kv_s": 3.5,
     "capture_cold_s": 40.0,  # one CPU decode shape compiled by inductor and timed against eager
     "capture_warm_s": 6.0,  # one shape loaded from the compile cache: Dynamo still traces the step
     "capture_none_s": 0.2,  # the phase with nothing to capture
@@ -60,6 +60,8 @@ class StartupFacts:
     )  # those compiled by an earlier start here
     draft_shapes: int = 0  # what capture_draft captures (speculative decoding)
     warmup: bool = True
+    # how much slower than on an idle host the CPU runs this start (contention_at_launch): CPU rates scale by it
+    slowdown: float = 1.0
 
     @property
     def key(self) -> str:
@@ -99,7 +101,13 @@ def predict(facts: StartupFacts, learned: dict[str, float] | None = None) -> dic
             else rate("kernel_warm_s", facts, r)
             for name, cold, last in facts.kernels
         )
-    out["loading_weights"] = facts.weight_bytes / GIB * rate("load_s_per_gib", facts, r)
+    gib = facts.weight_bytes / GIB
+    if (
+        f"load_s_per_gib@{facts.size_class}" in r
+    ):  # measured for this size of model: it holds the fixed part too
+        out["loading_weights"] = gib * r[f"load_s_per_gib@{facts.size_class}"]
+    else:
+        out["loading_weights"] = rate("load_fixed_s", facts, r) + gib * rate("load_s_per_gib", facts, r)
     out["allocating_kv"] = rate("allocating_kv_s", facts, r)
     cold, warm = facts.cold_shapes, len(facts.shapes) - facts.cold_shapes
     out["capturing"] = (
@@ -110,14 +118,40 @@ def predict(facts: StartupFacts, learned: dict[str, float] | None = None) -> dic
     if facts.draft_shapes:  # a draft's shapes are smaller than the target's: cold, as a conservative bound
         out["capture_draft"] = facts.draft_shapes * rate("capture_cold_s", facts, r)
     out["warming_up"] = rate("warming_up_s", facts, r) if facts.warmup else 0.1
+    if facts.device == "cpu":  # every phase but the download runs on the CPU the other processes share
+        out = {k: v if k == "downloading" else v * facts.slowdown for k, v in out.items()}
     out = {k: round(v, 1) for k, v in out.items()}
     out["total"] = round(sum(out.values()), 1)
     return out
 
 
-def observed_rates(facts: StartupFacts, timings: dict[str, float], kernels: list | None) -> dict[str, float]:
-    """One finished start's timings as rates the next prediction can use (only what this start measured)."""
-    t, cls, out = timings, facts.size_class, {}
+def contention(load: float, cpus: int | None = None) -> float:
+    """How much slower than alone a CPU-bound start runs with this many runnable threads on the host (the 1-minute
+    load average, the start's own included): 1 until they outnumber the cores."""
+    return max(1.0, load / (cpus or os.cpu_count() or 1))
+
+
+def contention_at_launch(cpus: int | None = None) -> float:
+    """The slowdown a start about to launch can expect: the load already there plus its own threads (one per
+    core: torch's default), measured the same way observed_rates' load averages are."""
+    from kiln.server.startup import load_average
+
+    cpus = cpus or os.cpu_count() or 1
+    return contention(load_average() + cpus, cpus)
+
+
+def observed_rates(
+    facts: StartupFacts,
+    timings: dict[str, float],
+    kernels: list | None,
+    loads: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """One finished start's timings as rates the next prediction can use (only what this start measured), each
+    CPU phase divided by the contention its load average says it ran under (`loads`: phase -> load at its end),
+    so that a start on a busy host teaches idle-host rates."""
+    cls, out = facts.size_class, {}
+    slow = {p: contention(load) if facts.device == "cpu" else 1.0 for p, load in (loads or {}).items()}
+    t = {p: s if p == "downloading" else s / slow.get(p, 1.0) for p, s in timings.items()}
     if (
         t.get("downloading") and facts.download_bytes > 64 << 20
     ):  # a few files' round trips say nothing of a rate
@@ -130,10 +164,11 @@ def observed_rates(facts: StartupFacts, timings: dict[str, float], kernels: list
     for k in kernels or []:  # each extension's own load, as building_kernels reported it
         if not k.get("loaded"):
             continue
+        seconds = k["seconds"] / slow.get("building_kernels", 1.0)
         if k.get("built"):
-            out[f"kernel_cold_s/{k['name']}"] = k["seconds"]
+            out[f"kernel_cold_s/{k['name']}"] = seconds
         else:
-            out["kernel_warm_s"] = k["seconds"]
+            out["kernel_warm_s"] = seconds
     if "loading_weights" in t and facts.weight_bytes:
         out[f"load_s_per_gib@{cls}"] = t["loading_weights"] / (facts.weight_bytes / GIB)
     if "capturing" in t:
@@ -187,6 +222,7 @@ def facts_for(args: ServerArgs, device: str, shapes: tuple[str, ...] | None = No
         cached_shapes=frozenset(s for s in shapes if s in compiled_shapes(args)),
         draft_shapes=draft,
         warmup=not args.skip_server_warmup,
+        slowdown=contention_at_launch() if device == "cpu" else 1.0,
     )
 
 
@@ -276,9 +312,15 @@ def predict_for(
     return facts, predict(facts, StartupHistory().rates(facts.key))
 
 
-def record(args: ServerArgs, facts: StartupFacts, timings: dict[str, float], kernels: list | None) -> None:
+def record(
+    args: ServerArgs,
+    facts: StartupFacts,
+    timings: dict[str, float],
+    kernels: list | None,
+    loads: dict[str, float],
+) -> None:
     """At ready: what each phase took, into the history, and the captured shapes into the cache's marker."""
-    StartupHistory().update(facts.key, observed_rates(facts, timings, kernels))
+    StartupHistory().update(facts.key, observed_rates(facts, timings, kernels, loads))
     if facts.device == "cpu":  # CUDA graphs are captured again at every start: nothing is cached
         note_compiled(args, facts.shapes)
 
