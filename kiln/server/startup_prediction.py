@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform as py_platform
+import time
 from dataclasses import dataclass, field
 
 from kiln.config import ServerArgs
@@ -131,13 +132,24 @@ def contention(load: float, cpus: int | None = None) -> float:
     return max(1.0, load / (cpus or os.cpu_count() or 1))
 
 
-def contention_at_launch(cpus: int | None = None) -> float:
-    """The slowdown a start about to launch can expect: the load already there plus its own threads (one per
-    core: torch's default), measured the same way observed_rates' load averages are."""
-    from kiln.server.startup import load_average
-
+def contention_at_launch(cpus: int | None = None, samples: int = 10, every_s: float = 0.03) -> float:
+    """The slowdown a start about to launch can expect: the threads running on the host now (sampled, not the
+    1-minute average, which still counts a process that just ended) plus its own (one per core: torch's
+    default), measured the same way as observed_rates' load averages."""
     cpus = cpus or os.cpu_count() or 1
-    return contention(load_average() + cpus, cpus)
+    running = []
+    for _ in range(samples):
+        try:
+            with open(
+                "/proc/loadavg"
+            ) as f:  # "1.0 0.9 0.8 3/512 ...": 3 runnable now, this reader among them
+                running.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            from kiln.server.startup import load_average
+
+            return contention(load_average() + cpus, cpus)
+        time.sleep(every_s)
+    return contention(sum(running) / len(running) + cpus, cpus)
 
 
 def observed_rates(
