@@ -61,6 +61,11 @@ def test_cold_and_warm_starts_differ():
         == 2 * sp.DEFAULTS["capture_warm_s"]
     )
     assert cold["total"] > 2 * warm["total"]
+    # the first request after a cold capture is slower: its own rate, learned apart from a warm start's
+    assert (
+        cold["warming_up"] == sp.DEFAULTS["warming_up_cold_s"]
+        and warm["warming_up"] == sp.DEFAULTS["warming_up_s"]
+    )
     # an extension's own recorded build time is the best estimate of its next build
     assert sp.predict(facts(kernels=(("k", True, 33.0),)))["building_kernels"] == 33.0
 

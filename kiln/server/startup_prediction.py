@@ -38,6 +38,9 @@ DEFAULTS: dict[str, float] = {
     "capture_warm_s": 6.0,  # one shape loaded from the compile cache: Dynamo still traces the step
     "capture_none_s": 0.2,  # the phase with nothing to capture
     "warming_up_s": 1.0,
+    # the first request after a cold capture: measured 14.3 s (twice) against 2-3 s after a warm one, on a host
+    # about 2.5x contended; its own rate, so that a warm start does not inherit it
+    "warming_up_cold_s": 6.0,
 }
 CUDA_DEFAULTS: dict[str, float] = {"capture_cold_s": 0.5, "capture_warm_s": 0.5, "load_s_per_gib": 2.0}
 # the decode batch sizes a CUDA start captures when none are given: SGLang's default up to 160 (its mid-size GPUs)
@@ -118,7 +121,8 @@ def predict(facts: StartupFacts, learned: dict[str, float] | None = None) -> dic
     )
     if facts.draft_shapes:  # a draft's shapes are smaller than the target's: cold, as a conservative bound
         out["capture_draft"] = facts.draft_shapes * rate("capture_cold_s", facts, r)
-    out["warming_up"] = rate("warming_up_s", facts, r) if facts.warmup else 0.1
+    warm_up = "warming_up_cold_s" if facts.cold_shapes else "warming_up_s"
+    out["warming_up"] = rate(warm_up, facts, r) if facts.warmup else 0.1
     if facts.device == "cpu":  # every phase but the download runs on the CPU the other processes share
         out = {k: v if k == "downloading" else v * facts.slowdown for k, v in out.items()}
     out = {k: round(v, 1) for k, v in out.items()}
@@ -172,7 +176,7 @@ def observed_rates(
         if phase in t:
             out[name] = t[phase]
     if facts.warmup and "warming_up" in t:
-        out["warming_up_s"] = t["warming_up"]
+        out["warming_up_cold_s" if facts.cold_shapes else "warming_up_s"] = t["warming_up"]
     for k in kernels or []:  # each extension's own load, as building_kernels reported it
         if not k.get("loaded"):
             continue
