@@ -20,6 +20,7 @@ from kiln.memory.ledger_format import format_refusal, format_table, format_verdi
 if TYPE_CHECKING:
     from kiln.platform import Platform
     from kiln.scheduler.resolve import Deployment
+    from kiln.server.startup_prediction import StartupFacts
 
 __all__ = ["add_arguments", "deployment_for_args", "format_refusal", "main", "register", "run"]
 
@@ -76,6 +77,23 @@ def print_foreign_flags(args: ServerArgs) -> None:
         print(f"kiln plan: {kind}: {line}", file=sys.stderr)
 
 
+def startup_prediction(deployment: Deployment) -> tuple[StartupFacts, dict[str, float], bool]:
+    """How long serve's start would take on this host, phase by phase, for the ledger's shapes; and whether the
+    rates came from this host's history."""
+    # the kernels' build check imports torch: `kiln wait` shares this module's parser and must start without it
+    from kiln.server.startup_history import StartupHistory
+    from kiln.server.startup_prediction import facts_for, predict
+
+    ledger = deployment.ledger
+    shapes = (
+        *(f"decode/{b}" for b in ledger.graph_batch_sizes),
+        *(f"prefill/{n}" for n in ledger.graph_prefill_tokens),
+    )
+    facts = facts_for(deployment.args, deployment.platform.device, shapes)
+    learned = StartupHistory().rates(facts.key)
+    return facts, predict(facts, learned), bool(learned)
+
+
 def run(namespace: argparse.Namespace) -> int:
     """Print the ledger and the verdict; 0 fits, 1 does not fit, 2 unusable arguments."""
     try:
@@ -88,8 +106,13 @@ def run(namespace: argparse.Namespace) -> int:
         print(f"kiln plan: error: {e}", file=sys.stderr)
         return 2
     ledger = deployment.ledger
+    facts, predicted, learned = startup_prediction(deployment)
     if namespace.json:
-        extra = {"platform": platform_json(deployment.platform), "is_embedding": deployment.args.is_embedding}
+        extra = {
+            "platform": platform_json(deployment.platform),
+            "is_embedding": deployment.args.is_embedding,
+            "startup_prediction": predicted,
+        }
         print(ledger_json(ledger, **extra))
     else:
         # a Hugging Face id by its name, not by the hash its snapshot directory is named after
@@ -101,6 +124,9 @@ def run(namespace: argparse.Namespace) -> int:
         title = f"Kiln memory plan for {name}{kind}: {device}, tp {ledger.tp_size}, per rank (GiB = 2^30 B)"
         print(format_table(ledger, title))
         print(format_verdict(ledger))
+        from kiln.server.startup_prediction import format_prediction
+
+        print(format_prediction(facts, predicted, learned))
     return 0 if ledger.fits else 1
 
 

@@ -2,7 +2,8 @@
 phase and reason, 2 on timeout (and, as argparse does, on bad arguments). The replacement for polling logs for
 "fired up". A model id's download (downloading) shows its bytes done and total and the rate. A kernel build
 (building_kernels) shows what is compiling, whether it is a first build, the seconds elapsed and how long the last
-build took: a compiler reports no progress of its own. When stderr is not a terminal (a log file, CI), a line per
+build took: a compiler reports no progress of its own. With the server's prediction, each text ends with the
+seconds left ("eta 12 s", /status's eta_s). When stderr is not a terminal (a log file, CI), a line per
 phase replaces the bar, whose redraws would fill the log."""
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def wait(url: str, timeout: float, interval: float = 1.0, quiet: bool = False) -
                 print(f"kiln wait: {url} is shutting down", file=sys.stderr)
                 return 1
             step = PHASES.index(phase) if phase in PHASES else None
-            bar.show(step, describe(phase, status.get("progress") or {}))
+            bar.show(step, describe(phase, status.get("progress") or {}) + eta_text(status.get("eta_s")))
             last_phase = phase
             if phase == "ready":
                 bar.close()
@@ -137,6 +138,11 @@ def describe(phase: str, progress: dict) -> str:
         return f"{phase} ({progress_text(progress)})"
     detail = ", ".join(f"{k}={v}" for k, v in progress.items())
     return phase + (f" ({detail})" if detail else "")
+
+
+def eta_text(eta: float | None) -> str:
+    """The seconds left to ready as /status predicts them; nothing without a prediction."""
+    return f", eta {eta:.0f} s" if isinstance(eta, (int, float)) else ""
 
 
 def _kernel_detail(progress: dict) -> str:

@@ -26,6 +26,10 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # its servers a fresh one), kept between runs as a user's is, apart from the user's own: inductor keys each entry by
 # the traced graph (its code's paths included) and torch's version, so a changed model or step compiles again
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("~/.cache/kiln/test-compile").expanduser()))
+# the servers the tests start keep their phase timings apart from the real history (kiln.server.startup_history)
+os.environ.setdefault(
+    "KILN_STARTUP_HISTORY", str(Path("~/.cache/kiln/test-startup-history.json").expanduser())
+)
 # Triton picks its interpreter when first imported, and importing a transformers model class imports it: without a
 # GPU, Kiln's Triton kernels (tests/test_triton_attention.py) run in the interpreter, so it is chosen here first
 if not torch.cuda.is_available():

@@ -109,6 +109,8 @@ def poll_until_ready(w: Watch) -> None:
             w.polls.append(
                 {
                     "phase": status["phase"],
+                    "eta_s": status.get("eta_s", "missing"),
+                    "predicted_s": status.get("predicted_s"),
                     "ready": ready.status_code,
                     "health": health.status_code,
                     "ready_body": ready.json() if ready.status_code == 503 else None,
@@ -194,6 +196,20 @@ def test_phases_in_order_through_status(boot):
     assert status["error"] is None and status["ledger"], status
     for phase in ("launching", "loading_weights", "allocating_kv", "warming_up"):
         assert phase in status["timings"], status["timings"]
+
+
+def test_status_predicts_each_phase_and_an_eta_that_only_falls(boot):
+    """/status carries the startup prediction from the first poll, and eta_s (seconds to ready) never rises by
+    more than a second between polls, and is null once ready."""
+    polls = boot["ok"].polls
+    assert polls and polls[-1]["phase"] == "ready"
+    predicted = polls[0]["predicted_s"]
+    assert predicted and {"launching", "loading_weights", "warming_up", "total"} <= set(predicted), predicted
+    assert predicted["total"] == pytest.approx(sum(v for k, v in predicted.items() if k != "total"), abs=0.5)
+    etas = [p["eta_s"] for p in polls if p["phase"] != "ready"]
+    assert etas and all(isinstance(e, (int, float)) and e > 0 for e in etas), etas
+    assert all(b - a <= 1.0 for a, b in zip(etas, etas[1:])), etas
+    assert polls[-1]["eta_s"] is None
 
 
 def test_phases_in_order_in_events_file(boot):
@@ -289,6 +305,8 @@ def test_watchdog_fires_on_a_stalled_phase(boot):
     assert len(failed) == 1, failed
     assert failed[0]["phase"] == "loading_weights", failed[0]
     assert "--watchdog-timeout" in failed[0]["reason"]
+    # the limit was given (--watchdog-timeout 5): it says so, beside the phase's prediction and its time so far
+    assert "(predicted " in failed[0]["reason"] and ", elapsed " in failed[0]["reason"], failed[0]
     assert "phase loading_weights made no progress" in w.srv.log_text()
     assert_no_children_left(w)
 

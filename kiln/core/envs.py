@@ -28,6 +28,10 @@ TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 # refused unless it is "1" or "true" (positions past what the model was trained on may give wrong outputs).
 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
+# Where startup keeps what each phase took on this host (kiln.server.startup_history), to predict the next start;
+# the tests and the startup benchmark point it at a temporary file so that their starts teach the real one nothing.
+KILN_STARTUP_HISTORY = "KILN_STARTUP_HISTORY"
+
 FAULT_KINDS = ("crash", "stall")
 
 
@@ -56,6 +60,12 @@ def fault() -> Fault | None:
 
 def inductor_cache_dir() -> str | None:
     return os.environ.get(TORCHINDUCTOR_CACHE_DIR) or None
+
+
+def startup_history_path() -> str:
+    return os.environ.get(KILN_STARTUP_HISTORY) or os.path.join(
+        os.path.expanduser("~"), ".cache", "kiln", "startup_history.json"
+    )
 
 
 def triton_fused() -> str:

@@ -43,6 +43,9 @@ logger = logging.getLogger("kiln")
 WARMUP_PROMPT = "The capital city of France is"
 WARMUP_NEW_TOKENS = 8
 DIE_GRACE_SECONDS = 3.0
+# a phase may run this many times its prediction before the watchdog ends it (at the default --watchdog-timeout)
+WATCHDOG_MULTIPLE = 3.0
+WATCHDOG_DEFAULT_S = ServerArgs.watchdog_timeout
 
 
 class _Server(uvicorn.Server):
@@ -92,6 +95,9 @@ class Launcher:
         self.drain_deadline = 0.0
         self.ranks = RankProcesses(self.args)
         self.stop_download = threading.Event()  # the server is stopping: a download in progress stops too
+        self.prediction = _predict(self.args)
+        if self.prediction is not None:
+            self.state.startup.predicted = self.prediction[1]
 
     @property
     def proc(self) -> mp.process.BaseProcess | None:
@@ -127,17 +133,30 @@ class Launcher:
                     self.ranks.note(msg, self.state.startup)
 
     def _startup_stalled(self) -> bool:
-        # spawning the engine and importing torch is slow on a busy machine: launching gets its own allowance
         rank, phase, silent = self.ranks.most_silent()
-        limit = self.args.watchdog_timeout if phase != "launching" else max(self.args.watchdog_timeout, 120)
+        limit, why = self.phase_limit(phase)
         if silent <= limit:
             return False
+        predicted = (self.state.startup.predicted or {}).get(phase)
+        expected = f"predicted {predicted:.0f} s, " if predicted is not None else ""
         self.die(
-            f"{self.ranks.name(rank)}phase {phase} made no progress for {self.args.watchdog_timeout:.0f} s "
-            f"(--watchdog-timeout)",
+            f"{self.ranks.name(rank)}phase {phase} made no progress for {silent:.0f} s ({expected}elapsed "
+            f"{self.state.startup.phase_elapsed():.0f} s; limit {limit:.0f} s: {why})",
             hint="see the engine log above for where it stopped",
         )
         return True
+
+    def phase_limit(self, phase: str) -> tuple[float, str]:
+        """How long a phase may go without a report, and why. A --watchdog-timeout given is taken as given (as
+        SGLang does); at its default, WATCHDOG_MULTIPLE x the phase's prediction where that is longer, so a
+        first kernel build or a cold compile of many shapes is not cut short on a slow host."""
+        given = self.args.watchdog_timeout
+        # spawning the engine and importing torch is slow on a busy machine: launching gets its own allowance
+        floor = given if phase != "launching" else max(given, 120)
+        predicted = (self.state.startup.predicted or {}).get(phase)
+        if given != WATCHDOG_DEFAULT_S or predicted is None or WATCHDOG_MULTIPLE * predicted <= floor:
+            return floor, "--watchdog-timeout"
+        return WATCHDOG_MULTIPLE * predicted, f"{WATCHDOG_MULTIPLE:.0f}x the prediction"
 
     async def bring_up(self) -> None:
         try:
@@ -202,7 +221,20 @@ class Launcher:
             return
         await self._report_memory(client)
         self.state.startup.enter("ready")
+        self._record_timings()
         logger.info("The server is fired up and ready to roll!")
+
+    def _record_timings(self) -> None:
+        """What each phase took, into this host's history, for the next start's prediction."""
+        if self.prediction is None or self.args.node_rank:
+            return
+        from kiln.server.startup_prediction import record
+
+        startup = self.state.startup
+        try:
+            record(self.args, self.prediction[0], dict(startup.timings), startup.kernels, dict(startup.loads))
+        except Exception as e:  # noqa: BLE001 - a history that cannot be written costs the next estimate only
+            logger.debug(f"startup history not recorded: {e!r}")
 
     async def _warm_up(self, client: EngineClient, tokenizer) -> bool:
         from kiln.sampling_params import SamplingParams
@@ -394,6 +426,24 @@ class Launcher:
         if not self.server.started and self.exit_code == 0:
             self.exit_code = 1
         return self.exit_code
+
+
+def _predict(args: ServerArgs):
+    """(facts, {phase: seconds}) for this start, or None where it cannot be made: a prediction never stops one."""
+    from kiln.platform import detect_device
+    from kiln.server.startup_prediction import predict_for
+
+    try:
+        facts, predicted = predict_for(args, args.device if args.device != "auto" else detect_device())
+    except Exception as e:  # noqa: BLE001 - no ETA is better than no server
+        logger.debug(f"no startup prediction: {e!r}")
+        return None
+    logger.info(
+        "Startup prediction: "
+        + ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in predicted.items() if phase != "total")
+        + f"; total {predicted['total']:.0f} s"
+    )
+    return facts, predicted
 
 
 def _uvicorn_level(level: str) -> str:
