@@ -48,6 +48,12 @@ def test_phases_are_sizes_times_rates():
     )
 
 
+def test_a_start_with_nothing_to_capture_predicts_no_capturing_phase():
+    # the phase is never entered then (kiln.scheduler.launch), and a row predicted for it would never end
+    assert "capturing" not in sp.predict(facts())
+    assert "capturing" in sp.predict(facts(shapes=("decode/1",)))
+
+
 def test_cold_and_warm_starts_differ():
     shapes = ("decode/1", "decode/2")
     cold = sp.predict(facts(kernels=(("k", True, None),), shapes=shapes))

@@ -36,7 +36,6 @@ DEFAULTS: dict[str, float] = {
     "allocating_kv_s": 3.5,
     "capture_cold_s": 40.0,  # one CPU decode shape compiled by inductor and timed against eager
     "capture_warm_s": 6.0,  # one shape loaded from the compile cache: Dynamo still traces the step
-    "capture_none_s": 0.2,  # the phase with nothing to capture
     "warming_up_s": 1.0,
     # the first request after a cold capture: measured 14.3 s (twice) against 2-3 s after a warm one, on a host
     # about 2.5x contended; its own rate, so that a warm start does not inherit it
@@ -114,11 +113,8 @@ def predict(facts: StartupFacts, learned: dict[str, float] | None = None) -> dic
         out["loading_weights"] = rate("load_fixed_s", facts, r) + gib * rate("load_s_per_gib", facts, r)
     out["allocating_kv"] = rate("allocating_kv_s", facts, r)
     cold, warm = facts.cold_shapes, len(facts.shapes) - facts.cold_shapes
-    out["capturing"] = (
-        cold * rate("capture_cold_s", facts, r) + warm * rate("capture_warm_s", facts, r)
-        if facts.shapes
-        else rate("capture_none_s", facts, r)
-    )
+    if facts.shapes:  # a start with nothing to capture never enters the phase (kiln.scheduler.launch)
+        out["capturing"] = cold * rate("capture_cold_s", facts, r) + warm * rate("capture_warm_s", facts, r)
     if facts.draft_shapes:  # a draft's shapes are smaller than the target's: cold, as a conservative bound
         out["capture_draft"] = facts.draft_shapes * rate("capture_cold_s", facts, r)
     warm_up = "warming_up_cold_s" if facts.cold_shapes else "warming_up_s"
@@ -187,11 +183,9 @@ def observed_rates(
             out["kernel_warm_s"] = seconds
     if "loading_weights" in t and facts.weight_bytes:
         out[f"load_s_per_gib@{cls}"] = t["loading_weights"] / (facts.weight_bytes / GIB)
-    if "capturing" in t:
+    if "capturing" in t and facts.shapes:
         n, cold = len(facts.shapes), facts.cold_shapes
-        if not n:
-            out["capture_none_s"] = t["capturing"]
-        elif cold == n:
+        if cold == n:
             out[f"capture_cold_s@{cls}"] = t["capturing"] / n
         elif cold == 0:
             out[f"capture_warm_s@{cls}"] = t["capturing"] / n
