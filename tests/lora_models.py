@@ -47,3 +47,17 @@ def merged_model(base: str, adapter: str | None):
 
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     return model.eval()
+
+
+def greedy_under_each(
+    base: str, adapters: dict[str, str], prompts: list[list[int]], new: int
+) -> dict[str | None, list[list[int]]]:
+    """transformers' greedy ids of every prompt under each adapter merged, and under the base (None)."""
+    from test_correctness import hf_greedy
+
+    out: dict[str | None, list[list[int]]] = {}
+    for name in (None, *adapters):
+        model = merged_model(base, adapters.get(name) if name else None)
+        with torch.inference_mode():
+            out[name] = [hf_greedy(model, p, new, set())[0] for p in prompts]
+    return out

@@ -9,9 +9,9 @@ import gc
 
 import pytest
 import torch
-from lora_models import build_adapters, merged_model
+from lora_models import build_adapters, greedy_under_each
 from model_equality import one_torch_thread  # noqa: F401 (a module fixture: one torch thread)
-from test_correctness import hf_greedy, make_prompt, token_stream
+from test_correctness import make_prompt, token_stream
 
 import kiln
 from kiln.runner import graph_runner
@@ -37,12 +37,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def want(tiny_llama: str, adapters: dict[str, str], prompts) -> dict[str | None, list[list[int]]]:
     """transformers' greedy ids of every prompt under each adapter merged, and under the base (None)."""
-    out = {}
-    for name in (None, *adapters):
-        model = merged_model(tiny_llama, adapters.get(name) if name else None)
-        with torch.inference_mode():
-            out[name] = [hf_greedy(model, p, NEW, set())[0] for p in prompts]
-    return out
+    return greedy_under_each(tiny_llama, adapters, prompts, NEW)
 
 
 class Steps:
