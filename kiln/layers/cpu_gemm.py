@@ -128,18 +128,21 @@ def packed_layout_name() -> str:
 
 
 def prepack(
-    weight: torch.Tensor, gguf_rows: GGUFRows | None = None, quantize: bool = False
+    weight: torch.Tensor, gguf_rows: GGUFRows | None = None, quantize: bool = False, head: bool = False
 ) -> torch.Tensor | None:
     """The weight in a packed layout, or None where none applies (non-CPU, non-fp32): with the raw GGUF blocks
     the weight was dequantized from, the blocks where the mode keeps their type (the integer kernels' layout, or
     Kiln's quantized float blocks under `exact`); a linear layer's weight (`quantize`) as int8 rows under
     --quantization int8; else Kiln's float32 [N / 16, K, 16] blocks when the mode and CPU give the kernel and N
-    divides into blocks; else oneDNN's."""
+    divides into blocks; else oneDNN's. The LM head (`head`) keeps its blocks but is multiplied in float32 where
+    Kiln's float kernel reads its type (Q4_1, Q8_0): rounding the head's input to int8 is a third of the KL
+    divergence integer compute adds to the default model's logits (docs/benchmarks.md), for a few per cent of a
+    step."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     kernel = kiln_kernel()
     if kernel is not None and weight.shape[0] % BLOCK == 0:
-        packed, label = _pack_blocks(kernel, weight, gguf_rows, quantize)
+        packed, label = _pack_blocks(kernel, weight, gguf_rows, quantize, head)
         _packed[label] += 1
         return packed
     if not torch.backends.mkldnn.is_available():
@@ -154,12 +157,12 @@ def prepack(
 
 
 def _pack_blocks(
-    kernel, weight: torch.Tensor, gguf_rows: GGUFRows | None, quantize: bool
+    kernel, weight: torch.Tensor, gguf_rows: GGUFRows | None, quantize: bool, head: bool
 ) -> tuple[torch.Tensor, str]:
     """Kiln's layouts for a weight of N divisible into blocks, and the format's name for the load's log line."""
     qtype = gguf_rows.qtype if gguf_rows is not None and gguf_rows.qtype in gguf_block_types(_mode) else None
     k = weight.shape[1]
-    integer = integer_compute(_mode) and int_gemm.kernel() is not None
+    integer = integer_compute(_mode) and int_gemm.kernel() is not None and not (head and qtype in _QUANT_OPS)
     if qtype is not None and integer and _readable(qtype, k):
         return int_gemm.pack(qtype, gguf_rows.rows), f"{qtype} (integer)"
     if qtype in _QUANT_OPS and k % QUANT_BLOCK == 0:  # exact, or no integer kernel here

@@ -48,8 +48,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def prepack_weights(self) -> bool:
         """Untied: the weight is swapped for its prepacked layout. Tied: the embedding still needs plain rows,
         so the packed layout is a second copy (the ledger's "packed lm head" line), quantized when the weight
-        came from GGUF Q8_0 / Q4_1 blocks."""
-        packed = prepack(self.weight, pop_rows(self.weight))
+        came from GGUF Q8_0 / Q4_1 blocks (multiplied in float32: kiln.layers.cpu_gemm.prepack says why)."""
+        packed = prepack(self.weight, pop_rows(self.weight), head=True)
         if packed is None:
             return False
         if self.tied:

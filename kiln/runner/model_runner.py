@@ -98,7 +98,7 @@ class ModelRunner:
 
     @staticmethod
     def _log_prepacked(loaded: LoadedModel, params: dict, head_copy: torch.Tensor | None) -> None:
-        # e.g. "120 Q4_1 (integer), 1 Q8_0 (integer), 0 float32": the GGUF types kept and how they multiply
+        # e.g. "210 Q4_1 (integer), 1 Q8_0 (float32)": the GGUF types kept and how they multiply
         formats = ", ".join(f"{n} {name}" for name, n in sorted(loaded.packed_formats.items()))
         kept = f": {formats}" if formats else ""
         logger.info(
