@@ -131,6 +131,9 @@ def same_ledger(capsys, argv: list[str]) -> dict:
     verdict = planned.pop("verdict")
     planned.pop("platform")
     assert planned.pop("is_embedding") is serve_args(argv).is_embedding  # the plan's, beside the ledger
+    # the plan's own too: what each startup phase should take (tests/test_startup_prediction.py checks the figures)
+    prediction = planned.pop("startup_prediction")
+    assert prediction["total"] > 0 and "loading_weights" in prediction
     served = plan_ledger(serve_args(argv)).ledger
     assert planned == json.loads(json.dumps(served.to_dict()))
     assert rc == (0 if served.fits else 1) and verdict == ("fits" if served.fits else "does_not_fit")

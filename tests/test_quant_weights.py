@@ -129,14 +129,16 @@ def test_default_model_from_its_blocks_equals_float32_bit_for_bit(default_model,
 
 @pytest.mark.skipif(not gguf_blocks_expected("auto"), reason="Kiln's quantized kernel needs AVX2")
 def test_default_model_multiplies_its_blocks_in_integers_by_default(default_model, cpu_gemm_restored):
-    """The default mode packs every projection and the tied head for the integer kernels (uint8 [N / 16, bytes
-    per 16 rows]), and the model still knows its capital."""
+    """The default mode packs every projection for the integer kernels (uint8 [N / 16, bytes per 16 rows]) and
+    the tied Q8_0 head for the float kernel (uint8 [N / 16, K / 32, 16 blocks]: multiplied in float32, see
+    kiln.layers.cpu_gemm.prepack), and the model still knows its capital."""
     engine = kiln.Engine(model_path=default_model, max_total_tokens=4096, max_running_requests=4)
     model = engine.scheduler.runner.model
-    packed = [m.packed_weight if getattr(m, "packed_weight", None) is not None else m.weight
-              for m in model.modules() if getattr(m, "packed", False)]  # fmt: skip
-    assert len(packed) == 4 * 30 + 1
+    packed = [m.weight for m in model.modules() if getattr(m, "packed", False) and m is not model.lm_head]
+    assert len(packed) == 4 * 30
     assert all(w.dtype == torch.uint8 and w.dim() == 2 for w in packed)
+    head = model.lm_head.packed_weight
+    assert head.dtype == torch.uint8 and head.dim() == 3
     out = engine.generate(
         prompt="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0}
     )
