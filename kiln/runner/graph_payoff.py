@@ -8,13 +8,13 @@ anything else in the file is ignored, and an unreadable file is an empty one.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import platform
 
 import torch
 
+from kiln.core.json_file import read_json_dict, write_json_atomic
 from kiln.layers.cpu_gemm import cpu_gemm_mode
 
 logger = logging.getLogger("kiln")
@@ -29,14 +29,7 @@ class PayoffStore:
         self.entries = self._read()
 
     def _read(self) -> dict:
-        if self.path is None:
-            return {}
-        try:
-            with open(self.path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+        return read_json_dict(self.path) if self.path is not None else {}
 
     def _key(self, phase: str, size: int) -> str:
         return f"{self.fingerprint}/{phase}/{size}"
@@ -54,11 +47,8 @@ class PayoffStore:
         self.entries[self._key(phase, size)] = {"graph_ms": graph_ms, "eager_ms": eager_ms}
         if self.path is None:
             return
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump(self.entries, f, indent=1)
-            os.replace(tmp, self.path)
+            write_json_atomic(self.path, self.entries)
         except OSError as e:  # a read-only cache still serves; the next start measures again
             logger.debug(f"could not save graph payoff to {self.path}: {e}")
 

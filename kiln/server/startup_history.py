@@ -6,12 +6,11 @@ through a temporary file and a rename, so a reader never sees half a file."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 
 from kiln.core import envs
+from kiln.core.json_file import read_json_dict, write_json_atomic
 
 logger = logging.getLogger("kiln")
 
@@ -29,16 +28,8 @@ class StartupHistory:
         self.data = self._read()
 
     def _read(self) -> dict:
-        try:
-            with open(self.path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {"version": VERSION, "hosts": {}}
-        if (
-            not isinstance(data, dict)
-            or data.get("version") != VERSION
-            or not isinstance(data.get("hosts"), dict)
-        ):
+        data = read_json_dict(self.path)
+        if data.get("version") != VERSION or not isinstance(data.get("hosts"), dict):
             return {"version": VERSION, "hosts": {}}
         return data
 
@@ -68,11 +59,7 @@ class StartupHistory:
         self.save()
 
     def save(self) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(self.data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+            write_json_atomic(self.path, self.data, sort_keys=True)
         except OSError as e:  # a read-only cache still serves; the next prediction uses older rates
             logger.debug(f"could not save the startup history to {self.path}: {e}")

@@ -10,7 +10,6 @@ marker file Kiln keeps there, so emptying the directory makes the next predictio
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform as py_platform
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kiln.config import ServerArgs
 from kiln.core.graph_shapes import CPU_GRAPH_MAX_BS, decode_graph_batch_sizes, prefill_graph_token_sizes
+from kiln.core.json_file import read_json_dict, write_json_atomic
 from kiln.layers.kernel_builds import build_directory, is_first_build, kernels_for, last_build_seconds
 from kiln.server.startup_history import StartupHistory
 
@@ -284,32 +284,19 @@ def _marker_path(args: ServerArgs) -> str:
 
 def compiled_shapes(args: ServerArgs) -> set[str]:
     """The shapes an earlier start of this configuration compiled into its compile cache directory."""
-    try:
-        with open(_marker_path(args)) as f:
-            shapes = json.load(f).get(_cache_key(args), [])
-    except (OSError, ValueError, AttributeError):
-        return set()
-    return {s for s in shapes if isinstance(s, str)}
+    shapes = read_json_dict(_marker_path(args)).get(_cache_key(args))
+    return {s for s in shapes if isinstance(s, str)} if isinstance(shapes, list) else set()
 
 
 def note_compiled(args: ServerArgs, shapes: tuple[str, ...]) -> None:
     """After a start that captured `shapes`: they are in the compile cache now."""
     if not shapes:
         return
-    path = _marker_path(args)
+    path, key = _marker_path(args), _cache_key(args)
+    data = read_json_dict(path)
+    data[key] = sorted(compiled_shapes(args) | set(shapes))
     try:
-        with open(path) as f:
-            data = json.load(f)
-        data = data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        data = {}
-    key = _cache_key(args)
-    data[key] = sorted(set(data.get(key, [])) | set(shapes))
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
+        write_json_atomic(path, data)
     except OSError:  # a read-only cache: the next prediction says cold, and errs on the slow side
         pass
 
