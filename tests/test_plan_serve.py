@@ -186,9 +186,12 @@ def test_plan_and_serve_agree_on_a_float32_checkpoint_on_cuda(capsys, model_dir)
 def test_tensor_parallel_size_alias(capsys, model_dir):
     path = model_dir(TINY)
     common = ["--model-path", path, "--device", "cpu", "--device-memory", "8GiB"]
-    assert plan_json(capsys, common + ["--tensor-parallel-size", "2"]) == plan_json(
-        capsys, common + ["--tp-size", "2"]
+    alias, name = (
+        plan_json(capsys, common + [flag, "2"]) for flag in ("--tensor-parallel-size", "--tp-size")
     )
+    # the startup prediction scales with the host's load sampled at each call: the ledgers are what must agree
+    alias[1].pop("startup_prediction"), name[1].pop("startup_prediction")
+    assert alias == name
     assert serve_args(common + ["--tensor-parallel-size", "2"]).tp_size == 2
 
 
