@@ -221,3 +221,34 @@ def test_plan_prints_the_prediction(tmp_path, monkeypatch, capsys):
     assert main(cc) == 0
     text = capsys.readouterr().out
     assert "Startup prediction (built-in defaults" in text and "2 shapes: 2 cold, 0 cached" in text
+
+
+def test_engines_fork_on_the_cpu_before_serving_and_spawn_otherwise(monkeypatch):
+    """KILN_ENGINE_START_METHOD: "auto" forks a CPU start's engines (they inherit the front's imports) and spawns
+    CUDA's and a model id's (started beside uvicorn); "spawn" always spawns; anything else is refused by name. The
+    prediction's launching phase follows: a forked engine's rate, not a spawned one's."""
+    from kiln.core.envs import EnvError
+    from kiln.server.ranks import start_method
+
+    args = ServerArgs(model_path="m")
+    monkeypatch.delenv("KILN_ENGINE_START_METHOD", raising=False)
+    assert start_method(args, forkable=True, device="cpu") == "fork"
+    assert start_method(args, forkable=False, device="cpu") == "spawn"
+    assert start_method(args, forkable=True, device="cuda") == "spawn"
+    monkeypatch.setenv("KILN_ENGINE_START_METHOD", "spawn")
+    assert start_method(args, forkable=True, device="cpu") == "spawn"
+    monkeypatch.setenv("KILN_ENGINE_START_METHOD", "fork")
+    assert start_method(args, forkable=True, device="cuda") == "spawn"
+    monkeypatch.setenv("KILN_ENGINE_START_METHOD", "forkserver")
+    with pytest.raises(
+        EnvError, match="KILN_ENGINE_START_METHOD='forkserver': expected one of auto, fork, spawn"
+    ):
+        start_method(args, forkable=True, device="cpu")
+    facts = sp.StartupFacts(device="cpu", host="h", weight_bytes=1 << 30)
+    forked = sp.predict(sp.StartupFacts(device="cpu", host="h", weight_bytes=1 << 30, forked=True))
+    assert sp.predict(facts)["launching"] == sp.DEFAULTS["launching_s"]
+    assert forked["launching"] == sp.DEFAULTS["launching_fork_s"] < sp.DEFAULTS["launching_s"]
+    learned = sp.observed_rates(
+        sp.StartupFacts(device="cpu", host="h", weight_bytes=1, forked=True), {"launching": 0.6}, None
+    )
+    assert learned["launching_fork_s"] == 0.6 and "launching_s" not in learned

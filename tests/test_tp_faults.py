@@ -25,7 +25,11 @@ def engine_children(proc: subprocess.Popen, count: int, timeout: float = 120) ->
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            kids = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+            kids = [
+                p
+                for p in psutil.Process(proc.pid).children()
+                if " ".join(p.cmdline()).startswith("kiln::engine")
+            ]
         except psutil.Error:
             kids = []
         if len(kids) >= count or proc.poll() is not None:

@@ -28,6 +28,13 @@ TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 # refused unless it is "1" or "true" (positions past what the model was trained on may give wrong outputs).
 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
+# How the front starts its engine processes (vLLM's VLLM_WORKER_MULTIPROC_METHOD): "auto" forks them on the CPU
+# when they start before the HTTP server runs, so that they inherit the front's imports (torch, transformers' config
+# classes, Kiln: ~5 CPU s per rank) instead of importing everything again, and spawns them otherwise (CUDA cannot
+# be used in a forked child once the parent has touched it; a model id's engines start after its download, beside
+# uvicorn's threads and open connections); "spawn" always, "fork" wherever "auto" would allow it.
+KILN_ENGINE_START_METHOD = "KILN_ENGINE_START_METHOD"
+ENGINE_START_METHODS = ("auto", "fork", "spawn")
 # Where startup keeps what each phase took on this host (kiln.server.startup_history), to predict the next start;
 # the tests and the startup benchmark point it at a temporary file so that their starts teach the real one nothing.
 KILN_STARTUP_HISTORY = "KILN_STARTUP_HISTORY"
@@ -68,18 +75,24 @@ def startup_history_path() -> str:
     )
 
 
-def triton_fused() -> str:
-    raw = os.environ.get(KILN_TRITON_FUSED, "auto")
-    if raw not in TRITON_FUSED_MODES:
-        raise EnvError(f"{KILN_TRITON_FUSED}={raw!r}: expected one of {', '.join(TRITON_FUSED_MODES)}")
+def _mode(name: str, modes: tuple[str, ...]) -> str:
+    """A variable that takes one of `modes`, the first its default."""
+    raw = os.environ.get(name, modes[0])
+    if raw not in modes:
+        raise EnvError(f"{name}={raw!r}: expected one of {', '.join(modes)}")
     return raw
+
+
+def triton_fused() -> str:
+    return _mode(KILN_TRITON_FUSED, TRITON_FUSED_MODES)
 
 
 def fp8_weights() -> str:
-    raw = os.environ.get(KILN_FP8_WEIGHTS, "auto")
-    if raw not in FP8_WEIGHTS_MODES:
-        raise EnvError(f"{KILN_FP8_WEIGHTS}={raw!r}: expected one of {', '.join(FP8_WEIGHTS_MODES)}")
-    return raw
+    return _mode(KILN_FP8_WEIGHTS, FP8_WEIGHTS_MODES)
+
+
+def engine_start_method() -> str:
+    return _mode(KILN_ENGINE_START_METHOD, ENGINE_START_METHODS)
 
 
 def allow_longer_context_len() -> bool:

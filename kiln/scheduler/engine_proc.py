@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import setproctitle
 import zmq
 
 import kiln.core.envs as envs
@@ -152,6 +154,9 @@ def engine_main(
     """Entry point of a rank's process. Reports PhaseEntered, Progress, then EngineReady (rank 0) or RankReady, or
     StartupFailed, on status_queue during startup (kiln.scheduler.io). Rank 0 alone talks to the front over ZMQ."""
     _die_with_parent()
+    # the process's name in ps and top ("kiln::engine", "kiln::engine-tp1"), as SGLang titles its schedulers: a
+    # forked rank would otherwise show the front's command line, a spawned one multiprocessing's
+    setproctitle.setproctitle(mp.current_process().name)
     configure_logging(args.log_level, rank_tag(spec.rank, args.tp_size))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when to stop
     reporter = _StartupReporter(status_queue, envs.fault(), spec.rank)

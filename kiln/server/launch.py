@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 
+import torch
 import uvicorn
 
 from kiln.config import ServerArgs
@@ -104,8 +105,11 @@ class Launcher:
         """Rank 0's process (the only one with one rank)."""
         return self.ranks.procs.get(0)
 
-    def start_engine(self) -> None:
-        self.status_q = self.ranks.start(self.engine_addr, self.front_addr)
+    def start_engine(self, listener: socket.socket | None = None) -> None:
+        """The engine's ranks: before serving (`listener` given, closed in a forked rank) they may be forked; a
+        model id's start them after its download, beside uvicorn's threads and connections, so spawned."""
+        forkable, fds = listener is not None, ((listener.fileno(),) if listener is not None else ())
+        self.status_q = self.ranks.start(self.engine_addr, self.front_addr, forkable, fds)
 
     async def _engine_startup(self) -> ServerInfo | None:
         """Follows the ranks' phases until rank 0 is ready; a rank silent past --watchdog-timeout fails startup."""
@@ -389,7 +393,7 @@ class Launcher:
             )
             return 1
         if not self.args.hub_model_id:  # else once its weights are downloaded (_bring_up)
-            self.start_engine()
+            self.start_engine(listener)
         app = create_app(self.state)
 
         @contextlib.asynccontextmanager
@@ -502,6 +506,9 @@ def _front_refusal(args: ServerArgs) -> str | None:
 
 
 def serve(args: ServerArgs) -> int:
+    # the front computes nothing worth a second core (the engine does), and with one thread its torch never starts
+    # an OpenMP pool, which the engine processes it forks would otherwise inherit broken (kiln.server.ranks)
+    torch.set_num_threads(1)
     configure_logging(args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # the SGLang flags Kiln takes without implementing, each said once with what Kiln does instead

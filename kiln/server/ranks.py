@@ -5,13 +5,19 @@ alone, no HTTP)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import time
 
+import torch
+
 from kiln.config import ServerArgs
+from kiln.core import envs
+from kiln.platform import detect_device
 from kiln.scheduler.engine_proc import PEER_FAILED_EXIT, Beat, RankSpec, engine_main
 from kiln.scheduler.io import PhaseEntered, Progress, RankFailed, RankReady, StartupFailed
 from kiln.server.startup import PHASES, StartupState
@@ -37,8 +43,20 @@ class RankProcesses:
         self.failures: dict[int, str] = {}
         self.beats: dict[int, Beat] = {}
 
-    def start(self, engine_addr: str, front_addr: str):
-        ctx = mp.get_context("spawn")
+    def start(
+        self, engine_addr: str, front_addr: str, forkable: bool = True, close_in_child: tuple[int, ...] = ()
+    ):
+        """Start the ranks, forked where `forkable` allows (start_method); a forked rank first closes the
+        descriptors `close_in_child` (the front's HTTP listener: a rank holding it would keep the port bound after
+        the front ends)."""
+        method = start_method(self.args, forkable)
+        if method == "fork" and torch.get_num_threads() != 1:
+            # serve() runs the front on one thread: a parent whose OpenMP pool exists forks children whose first
+            # parallel region waits on the parent's threads forever
+            method = "spawn"
+        logger.debug(f"Starting {len(self.local)} engine process(es) by {method}")
+        ctx = mp.get_context(method)
+        target = engine_main if method == "spawn" else functools.partial(_forked_engine_main, close_in_child)
         status_q = ctx.Queue()
         init_method = f"tcp://{self.args.dist_init_addr or f'127.0.0.1:{_free_port()}'}"
         for local_rank, rank in enumerate(self.local):
@@ -46,7 +64,7 @@ class RankProcesses:
             self.beats[rank] = beat
             spec = RankSpec(rank, local_rank, len(self.local), init_method, beat)
             self.procs[rank] = ctx.Process(
-                target=engine_main,
+                target=target,
                 name=f"kiln::engine{'' if self.args.tp_size == 1 else f'-tp{rank}'}",
                 args=(self.args, engine_addr, front_addr, status_q, spec),
                 daemon=True,
@@ -137,6 +155,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_method(args: ServerArgs, forkable: bool, device: str | None = None) -> str:
+    """ "fork" or "spawn" for this node's engine processes (KILN_ENGINE_START_METHOD): fork on the CPU when the
+    caller allows it (`forkable`: no threads or connections of the HTTP server yet), spawn otherwise."""
+    if envs.engine_start_method() == "spawn" or not forkable:
+        return "spawn"
+    device = device or (args.device if args.device != "auto" else detect_device())
+    return "fork" if device == "cpu" else "spawn"
+
+
+def _forked_engine_main(close_in_child: tuple[int, ...], *args) -> None:
+    for fd in close_in_child:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    engine_main(*args)
 
 
 def serve_ranks(args: ServerArgs) -> int:

@@ -28,7 +28,8 @@ MARKER = "kiln_startup_shapes.json"  # in the compile cache directory: the shape
 # their contention; docs/benchmarks.md, "Startup prediction"); a first start elsewhere learns its own.
 DEFAULTS: dict[str, float] = {
     "download_s_per_gib": 25.0,  # ~40 MiB/s
-    "launching_s": 7.0,  # spawn, import torch and the model classes, resolve
+    "launching_s": 7.0,  # a spawned engine: import torch and the model classes, resolve
+    "launching_fork_s": 1.0,  # a forked one (kiln.server.ranks.start_method): the front's imports are its own
     "kernel_cold_s": 50.0,  # one C++ extension compiled (per extension; its own recorded build time wins)
     "kernel_warm_s": 0.3,  # one cached extension loaded
     "load_fixed_s": 7.0,  # build the model, read its metadata: what a small model's load is mostly made of
@@ -63,6 +64,7 @@ class StartupFacts:
     )  # those compiled by an earlier start here
     draft_shapes: int = 0  # what capture_draft captures (speculative decoding)
     warmup: bool = True
+    forked: bool = False  # the engine process is forked from the front, not spawned
     # how much slower than on an idle host the CPU runs this start (contention_at_launch): CPU rates scale by it
     slowdown: float = 1.0
 
@@ -96,7 +98,7 @@ def predict(facts: StartupFacts, learned: dict[str, float] | None = None) -> dic
     out: dict[str, float] = {}
     if facts.download_bytes:
         out["downloading"] = facts.download_bytes / GIB * rate("download_s_per_gib", facts, r)
-    out["launching"] = rate("launching_s", facts, r)
+    out["launching"] = rate(launching_rate(facts), facts, r)
     if facts.kernels:
         out["building_kernels"] = sum(
             (last or r.get(f"kernel_cold_s/{name}") or rate("kernel_cold_s", facts, r))
@@ -124,6 +126,10 @@ def predict(facts: StartupFacts, learned: dict[str, float] | None = None) -> dic
     out = {k: round(v, 1) for k, v in out.items()}
     out["total"] = round(sum(out.values()), 1)
     return out
+
+
+def launching_rate(facts: StartupFacts) -> str:
+    return "launching_fork_s" if facts.forked else "launching_s"
 
 
 def contention(load: float, cpus: int | None = None) -> float:
@@ -168,7 +174,7 @@ def observed_rates(
         t.get("downloading") and facts.download_bytes > 64 << 20
     ):  # a few files' round trips say nothing of a rate
         out["download_s_per_gib"] = t["downloading"] / (facts.download_bytes / GIB)
-    for phase, name in (("launching", "launching_s"), ("allocating_kv", "allocating_kv_s")):
+    for phase, name in (("launching", launching_rate(facts)), ("allocating_kv", "allocating_kv_s")):
         if phase in t:
             out[name] = t[phase]
     if facts.warmup and "warming_up" in t:
@@ -223,6 +229,10 @@ def facts_for(args: ServerArgs, device: str, shapes: tuple[str, ...] | None = No
     kernels = kernels_for(args.cpu_gemm, args.quantization) if device == "cpu" else ()
     built = tuple((k.name, is_first_build(k), last_build_seconds(k)) for k in kernels if _has_dir(k))
     draft = len([s for s in shapes if s.startswith("decode/")]) if args.speculative_algorithm else 0
+    # kiln.server.ranks imports the engine process's modules: only once a prediction is made
+    from kiln.server.ranks import start_method
+
+    forked = start_method(args, forkable=not args.hub_model_id, device=device) == "fork"
     return StartupFacts(
         device=device,
         host=host_name(device),
@@ -232,6 +242,7 @@ def facts_for(args: ServerArgs, device: str, shapes: tuple[str, ...] | None = No
         cached_shapes=frozenset(s for s in shapes if s in compiled_shapes(args)),
         draft_shapes=draft,
         warmup=not args.skip_server_warmup,
+        forked=forked,
         slowdown=contention_at_launch() if device == "cpu" else 1.0,
     )
 
