@@ -20,6 +20,8 @@ from conftest import ServerProcess
 from hub_server import LocalHub
 
 from kiln import plan
+from kiln.config import ServerArgs
+from kiln.core.units import human
 from kiln.loader import hub as kiln_hub
 from kiln.wait import describe
 
@@ -94,7 +96,12 @@ def _plan(capsys, model: str, *flags: str) -> tuple[int, str, str]:
 def test_plan_of_a_model_id_fetches_no_weights(hub, online, tiny_llama, capsys):
     code, out, err = _plan(capsys, MODEL_ID, "--download-dir", str(online), "--json")
     assert code == 0, err
-    assert json.loads(out) == json.loads(_plan(capsys, tiny_llama, "--json")[1])
+    by_id, local = json.loads(out), json.loads(_plan(capsys, tiny_llama, "--json")[1])
+    # the same plan as the model's own directory; the id's start downloads its weights first
+    by_id_start, local_start = by_id.pop("startup_prediction"), local.pop("startup_prediction")
+    assert by_id == local
+    assert by_id_start.pop("downloading") > 0 and by_id_start.pop("total") > local_start.pop("total")
+    assert by_id_start == local_start
     assert _plan(capsys, MODEL_ID, "--download-dir", str(online))[1].startswith(
         f"Kiln memory plan for {MODEL_ID}:"
     )
@@ -102,6 +109,57 @@ def test_plan_of_a_model_id_fetches_no_weights(hub, online, tiny_llama, capsys):
     assert "config.json" in fetched and "tokenizer.json" in fetched
     assert not [name for name in fetched if name.endswith((".safetensors", ".bin"))], fetched
     assert not [r for r in hub.requests if "original" in r.path]
+
+
+def _predicted(out: str) -> dict[str, str]:
+    """kiln plan's startup prediction, {phase: its basis}, in its order."""
+    lines = out.split("Startup prediction (", 1)[1].splitlines()[1:]
+    return {m[1]: m[2] for line in lines if (m := re.fullmatch(r"  (\w+) +[\d.]+ s(?:  (.*))?", line))}
+
+
+def test_plan_of_a_model_id_predicts_its_download_until_it_is_cached(
+    hub, online, tiny_llama, capsys, monkeypatch
+):
+    from kiln.server import startup_prediction as sp
+    from kiln.server.launch import Launcher
+
+    size = (Path(tiny_llama) / "model.safetensors").stat().st_size
+    code, out, err = _plan(capsys, MODEL_ID, "--download-dir", str(online))
+    assert code == 0, err
+    # the checkpoint's one shard, sized from the repo's listing: not the other formats beside it, not 0 B
+    first = _predicted(out)
+    assert list(first)[:2] == ["downloading", "launching"], out
+    assert first["downloading"] == f"{human(size)} to fetch"
+    assert first["loading_weights"] == f"{human(size)} once fetched"
+    assert not [r for r in hub.file_requests() if r.path.endswith(".safetensors")]  # still no weight fetched
+
+    args = ServerArgs(model_path=MODEL_ID, download_dir=str(online), device="cpu").with_defaults()
+    facts = sp.facts_for(args, "cpu", ())
+    assert facts.weight_bytes == facts.download_bytes == size
+    # serve's /status: the prediction begins with the download, and the seconds to ready count it
+    monkeypatch.setitem(sp.DEFAULTS, "download_s_per_gib", 100 * (1 << 30) / size)  # 100 s for this one
+    monkeypatch.setattr(sp, "contention_at_launch", lambda cpus=None: 1.0)
+    monkeypatch.setenv("KILN_STARTUP_HISTORY", str(online.parent / "history.json"))  # no rate learned yet
+    launcher = Launcher(args)
+    try:
+        status = launcher.state.startup.to_dict()
+    finally:
+        os.rmdir(launcher.ipc_dir)
+    assert status["phase"] == "downloading" and status["predicted_s"]["downloading"] == 100.0
+    assert status["eta_s"] == pytest.approx(status["predicted_s"]["total"], abs=1.0)
+
+    kiln_hub.download_weights(MODEL_ID, args.model_path, str(online))
+    code, out, err = _plan(capsys, MODEL_ID, "--download-dir", str(online))
+    assert code == 0, err
+    again = _predicted(out)
+    assert list(again)[0] == "launching" and "downloading" not in again, out
+    assert again["loading_weights"] == f"{human(size)} on disk"
+    assert sp.facts_for(args, "cpu", ()).weight_bytes == size
+
+    # a cache without the repo's listing (an older huggingface_hub's): the weights on disk, as for a local path
+    monkeypatch.setattr(kiln_hub, "_cached_listing", lambda *a: None)
+    unlisted = sp.facts_for(args, "cpu", ())
+    assert (unlisted.weight_bytes, unlisted.download_bytes) == (size, 0)
 
 
 def test_the_weights_download_takes_the_checkpoint_alone_and_resumes(hub, online, tiny_llama, monkeypatch):

@@ -76,6 +76,25 @@ def test_cold_and_warm_starts_differ():
     assert sp.predict(facts(kernels=(("k", True, 33.0),)))["building_kernels"] == 33.0
 
 
+def test_a_download_is_predicted_and_said_in_its_bytes(tmp_path):
+    first = facts(weight_bytes=3 * GIB, download_bytes=2 * GIB)  # a model id with one of its shards cached
+    p = sp.predict(first)
+    assert list(p)[:2] == ["downloading", "launching"]
+    assert p["downloading"] == 2 * sp.DEFAULTS["download_s_per_gib"]
+    assert sp.basis(first, "downloading") == "2.00 GiB to fetch"
+    assert sp.basis(first, "loading_weights") == "3.00 GiB once fetched"
+    cached = facts(weight_bytes=3 * GIB)
+    assert (
+        "downloading" not in sp.predict(cached) and sp.basis(cached, "loading_weights") == "3.00 GiB on disk"
+    )
+    # a small model's size is not "0.00 GiB"
+    assert sp.basis(facts(weight_bytes=5 << 20, download_bytes=5 << 20), "downloading") == "5.0 MiB to fetch"
+    # a local path is sized from its files, with nothing to download (the Hub's case: tests/test_hub.py)
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    args = ServerArgs(model_path=str(tmp_path))
+    assert sp.hub_bytes(args) is None and sp.model_bytes(args.model_path) == 1000
+
+
 def test_history_changes_the_next_prediction(tmp_path):
     hist = StartupHistory(str(tmp_path / "h.json"))
     f = facts(kernels=(("kiln_x", True, None),), shapes=("decode/1",))

@@ -106,6 +106,51 @@ def weight_patterns(snapshot: Path) -> list[str]:
     return ["*.safetensors"]
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """The files download_weights fetches: what its safetensors index names (else the top level's
+    *.safetensors), found in the repo's cached listing with their sizes. kiln.server.startup_prediction reads it
+    too, so that a first start predicts the download it will do."""
+
+    patterns: list[str]  # snapshot_download's allow_patterns
+    ignore: list[str] | None  # and its ignore_patterns
+    listing: dict[str, int] | None  # the repo's files and sizes; None when no listing is cached
+    files: dict[str, int]  # the checkpoint's files in the listing, and their sizes
+    missing: list[str]  # those of them not in the snapshot yet
+
+    @property
+    def total(self) -> int | None:
+        """All the checkpoint's bytes; None without a listing (nothing says what there is to fetch)."""
+        return sum(self.files.values()) if self.listing is not None else None
+
+    @property
+    def cached(self) -> int:
+        return sum(size for name, size in self.files.items() if name not in self.missing)
+
+    @property
+    def to_fetch(self) -> int:
+        return sum(self.files[name] for name in self.missing)
+
+
+def checkpoint(model_id: str, snapshot: str | Path, download_dir: str | None) -> Checkpoint:
+    """The checkpoint of `model_id` in `snapshot` (fetch_metadata's directory, named by its commit): which files,
+    which of them are missing, their sizes. Reads the cache alone: no network, no weight."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    path = Path(snapshot)
+    patterns = weight_patterns(path)
+    # an index names the files, those in folders too; the glob takes the top level's
+    ignore = TOP_LEVEL if patterns == ["*.safetensors"] else None
+    listing = _cached_listing(model_id, path.name, download_dir)
+    known = listing or {}
+    files = {
+        name: known[name]
+        for name in filter_repo_objects(known, allow_patterns=patterns, ignore_patterns=ignore)
+    }
+    missing = [name for name in files if not (path / name).is_file()]
+    return Checkpoint(patterns, ignore, listing, files, missing)
+
+
 def download_weights(
     model_id: str,
     snapshot: str,
@@ -117,37 +162,27 @@ def download_weights(
     cached already kept and what a killed download left continued. Raises ValueError naming the id,
     DownloadCancelled once `cancel` is set."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.utils import filter_repo_objects
 
     path = Path(snapshot)
-    patterns = weight_patterns(path)
-    # an index names the files, those in folders too; the glob takes the top level's
-    ignore = TOP_LEVEL if patterns == ["*.safetensors"] else None
-    sizes = _cached_listing(model_id, path.name, download_dir)
-    wanted: list[str] = []
-    if sizes is not None:
-        wanted = list(filter_repo_objects(sizes, allow_patterns=patterns, ignore_patterns=ignore))
-        if not wanted:
-            raise ValueError(
-                f"--model-path {model_id}: the repo holds no safetensors weights (Kiln loads *.safetensors; "
-                f"its files: {', '.join(sorted(sizes)[:8])})"
-            )
-    missing = [name for name in wanted if not (path / name).is_file()]
-    total = sum(sizes[name] for name in wanted) if sizes is not None else None
-    cached = sum(sizes[name] for name in wanted if name not in missing) if sizes is not None else 0
-    tracker = _Tracker(model_id, total, cached, on_progress, cancel)
+    files = checkpoint(model_id, path, download_dir)
+    if files.listing is not None and not files.files:
+        raise ValueError(
+            f"--model-path {model_id}: the repo holds no safetensors weights (Kiln loads *.safetensors; "
+            f"its files: {', '.join(sorted(files.listing)[:8])})"
+        )
+    tracker = _Tracker(model_id, files.total, files.cached, on_progress, cancel)
     tracker.report()  # the total at once, before the first chunk
     _bound_connect_time()
     try:
-        if missing and not constants.is_offline_mode():
-            _each(missing, lambda name: _fetch(model_id, path.name, name, download_dir, tracker))
+        if files.missing and not constants.is_offline_mode():
+            _each(files.missing, lambda name: _fetch(model_id, path.name, name, download_dir, tracker))
         # links what is missing from the snapshot; offline, checks the cache holds every file (and says which not)
         snapshot_download(
             model_id,
             revision=path.name,
             cache_dir=download_dir,
-            allow_patterns=patterns,
-            ignore_patterns=ignore,
+            allow_patterns=files.patterns,
+            ignore_patterns=files.ignore,
             tqdm_class=_tracker_bar(None),
         )
     except DownloadCancelled:

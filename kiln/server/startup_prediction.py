@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from kiln.config import ServerArgs
 from kiln.core.graph_shapes import CPU_GRAPH_MAX_BS, decode_graph_batch_sizes, prefill_graph_token_sizes
 from kiln.core.json_file import read_json_dict, write_json_atomic
+from kiln.core.units import human
 from kiln.layers.kernel_builds import build_directory, is_first_build, kernels_for, last_build_seconds
 from kiln.server.startup_history import StartupHistory
 
@@ -223,8 +224,8 @@ def capture_shapes(args: ServerArgs, device: str) -> tuple[str, ...]:
 
 
 def facts_for(args: ServerArgs, device: str, shapes: tuple[str, ...] | None = None) -> StartupFacts:
-    """The facts of a start of `args` (resolved: a local model path) on `device`; `shapes` when the caller knows
-    them exactly (kiln plan: the ledger's)."""
+    """The facts of a start of `args` (resolved: a local model path, or a model id's snapshot directory) on
+    `device`; `shapes` when the caller knows them exactly (kiln plan: the ledger's)."""
     shapes = capture_shapes(args, device) if shapes is None else shapes
     kernels = kernels_for(args.cpu_gemm, args.quantization) if device == "cpu" else ()
     built = tuple((k.name, is_first_build(k), last_build_seconds(k)) for k in kernels if _has_dir(k))
@@ -233,10 +234,12 @@ def facts_for(args: ServerArgs, device: str, shapes: tuple[str, ...] | None = No
     from kiln.server.ranks import start_method
 
     forked = start_method(args, forkable=not args.hub_model_id, device=device) == "fork"
+    weight_bytes, download_bytes = hub_bytes(args) or (model_bytes(args.model_path), 0)
     return StartupFacts(
         device=device,
         host=host_name(device),
-        weight_bytes=model_bytes(args.model_path),
+        weight_bytes=weight_bytes,
+        download_bytes=download_bytes,
         kernels=built,
         shapes=shapes,
         cached_shapes=frozenset(s for s in shapes if s in compiled_shapes(args)),
@@ -269,6 +272,19 @@ def model_bytes(model_path: str) -> int:
         n for n in names if n.endswith(".bin")
     ]
     return sum(os.path.getsize(os.path.join(model_path, n)) for n in weights)
+
+
+def hub_bytes(args: ServerArgs) -> tuple[int, int] | None:
+    """A Hugging Face model id's (weight bytes, bytes still to download): its snapshot holds only the config and
+    tokenizer until serve's downloading phase, so the files on disk undercount it; the checkpoint is what
+    download_weights will fetch, sized from the repo listing fetch_metadata cached. None for a local path, or
+    where no listing is cached (an older huggingface_hub's cache): the files on disk are all there is to go by."""
+    if not args.hub_model_id:
+        return None
+    from kiln.loader.hub import checkpoint
+
+    files = checkpoint(args.hub_model_id, args.model_path, args.download_dir)
+    return None if files.total is None else (files.total, files.to_fetch)
 
 
 def host_name(device: str) -> str:
@@ -338,8 +354,9 @@ def basis(facts: StartupFacts, phase: str) -> str:
     if phase == "building_kernels":
         cold = [name for name, first, _ in facts.kernels if first]
         return f"first build of {', '.join(cold)}" if cold else f"{len(facts.kernels)} cached builds"
-    if phase == "loading_weights":
-        return f"{facts.weight_bytes / GIB:.2f} GiB on disk"
+    # human(): a GiB figure for a real model, and a small one's size still reads as more than "0.00 GiB"
+    if phase == "loading_weights":  # a model id's first start: what the download will have put on disk
+        return f"{human(facts.weight_bytes)} " + ("once fetched" if facts.download_bytes else "on disk")
     if phase == "capturing":
         if not facts.shapes:
             return "no shapes"
@@ -348,7 +365,7 @@ def basis(facts: StartupFacts, phase: str) -> str:
     if phase == "capture_draft":
         return f"{facts.draft_shapes} draft shapes"
     if phase == "downloading":
-        return f"{facts.download_bytes / GIB:.2f} GiB to fetch"
+        return f"{human(facts.download_bytes)} to fetch"
     return ""
 
 
