@@ -62,6 +62,19 @@ def select_collected(config: pytest.Config, items: list[pytest.Item]) -> None:
         kept = [item for item in items if layer_of(item) in wanted]
         config.hook.pytest_deselected(items=[item for item in items if layer_of(item) not in wanted])
         items[:] = kept
+    heaviest_files_first(items)
+
+
+def heaviest_files_first(items: list[pytest.Item]) -> None:
+    """Files in the order of their heaviest layer, slow first, unit last, each file's tests kept together and in
+    order: `make test`'s workers take one file at a time in this order (xdist's loadfile), so the longest files
+    start early and the seconds-long unit files fill the end, rather than one worker running a multi-rank file
+    alone while the other has finished."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    weight = {name: max(_RANK[layer_of(i) or "unit"] for i in group) for name, group in files.items()}
+    items[:] = [i for name in sorted(files, key=lambda n: -weight[n]) for i in files[name]]
 
 
 def _starts_a_server(args) -> bool:

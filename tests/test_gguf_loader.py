@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import hf_model_of_gguf
 from gguf import GGMLQuantizationType as Q
 
 from kiln.loader import default_model as default_model_mod
@@ -32,12 +33,10 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(model_path: str):
-    transformers = pytest.importorskip("transformers")
+    """transformers' own reading of the GGUF, kept as safetensors by the first test module that converts it
+    (conftest.hf_model_of_gguf: ~25 s of dequantizing in Python, paid once per cache, not per module)."""
     pytest.importorskip("accelerate")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
-    )
-    return model
+    return hf_model_of_gguf(model_path)
 
 
 def test_default_model_path_points_at_the_gguf(model_path: str) -> None:

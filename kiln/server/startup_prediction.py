@@ -30,18 +30,19 @@ MARKER = "kiln_startup_shapes.json"  # in the compile cache directory: the shape
 DEFAULTS: dict[str, float] = {
     "download_s_per_gib": 25.0,  # ~40 MiB/s
     "launching_s": 7.0,  # a spawned engine: import torch and the model classes, resolve
-    "launching_fork_s": 1.0,  # a forked one (kiln.server.ranks.start_method): the front's imports are its own
+    "launching_fork_s": 0.5,  # a forked one (kiln.server.ranks.start_method): the front's imports are its own
     "kernel_cold_s": 50.0,  # one C++ extension compiled (per extension; its own recorded build time wins)
     "kernel_warm_s": 0.3,  # one cached extension loaded
-    "load_fixed_s": 7.0,  # build the model, read its metadata: what a small model's load is mostly made of
+    "load_fixed_s": 2.0,  # build the model, read its metadata: what a small model's load is mostly made of
     "load_s_per_gib": 20.0,  # read, dequantize and prepack: a GGUF's bytes on disk
     "allocating_kv_s": 3.5,
     "capture_cold_s": 40.0,  # one CPU decode shape compiled by inductor and timed against eager
-    "capture_warm_s": 6.0,  # one shape loaded from the compile cache: Dynamo still traces the step
+    "capture_warm_s": 13.0,  # one shape loaded from the compile cache: Dynamo still traces the step
     "warming_up_s": 1.0,
-    # the first request after a cold capture: measured 14.3 s (twice) against 2-3 s after a warm one, on a host
-    # about 2.5x contended; its own rate, so that a warm start does not inherit it
-    "warming_up_cold_s": 6.0,
+    # the first request after a cold capture: its own rate, so that a start after a slow one does not inherit it
+    # (docs/benchmarks.md, "Startup prediction": once much slower than after a warm capture, as fast since the
+    # engine is forked)
+    "warming_up_cold_s": 1.0,
 }
 CUDA_DEFAULTS: dict[str, float] = {"capture_cold_s": 0.5, "capture_warm_s": 0.5, "load_s_per_gib": 2.0}
 # the decode batch sizes a CUDA start captures when none are given: SGLang's default up to 160 (its mid-size GPUs)
