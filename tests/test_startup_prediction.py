@@ -67,7 +67,7 @@ def test_cold_and_warm_starts_differ():
         == 2 * sp.DEFAULTS["capture_warm_s"]
     )
     assert cold["total"] > 2 * warm["total"]
-    # the first request after a cold capture is slower: its own rate, learned apart from a warm start's
+    # the first request after a cold capture has its own rate, learned apart from a warm start's
     assert (
         cold["warming_up"] == sp.DEFAULTS["warming_up_cold_s"]
         and warm["warming_up"] == sp.DEFAULTS["warming_up_s"]
@@ -271,3 +271,20 @@ def test_engines_fork_on_the_cpu_before_serving_and_spawn_otherwise(monkeypatch)
         sp.StartupFacts(device="cpu", host="h", weight_bytes=1, forked=True), {"launching": 0.6}, None
     )
     assert learned["launching_fork_s"] == 0.6 and "launching_s" not in learned
+
+
+def test_a_slow_disk_bounds_the_weight_load(tmp_path):
+    """The weights' read rate, probed at launch: a disk slower than the load's own work sets loading_weights (bytes
+    / rate, not scaled by the CPU's contention); a fast one leaves the CPU's rate to it. The probe reads the first
+    weight file, and nothing where there is none."""
+    cpu_bound = sp.predict(facts(slowdown=2.0))["loading_weights"]
+    assert sp.predict(facts(slowdown=2.0, read_bytes_per_s=10 * GIB))["loading_weights"] == cpu_bound
+    slow = sp.predict(facts(slowdown=2.0, read_bytes_per_s=GIB / 100))  # 2 GiB at 10 MiB/s
+    assert slow["loading_weights"] == 200.0 > cpu_bound
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(os.urandom(3 << 20))
+    assert sp.read_rate(str(weights)) > 0 and sp.read_rate(str(tmp_path / "missing")) is None
+    assert sp.read_rate(str(tmp_path)) > 0  # a directory: its weight files
+    probed = sp.facts_for(ServerArgs(model_path=str(weights), skip_server_warmup=True), "cpu", shapes=())
+    assert probed.weight_bytes == 3 << 20 and probed.read_bytes_per_s > 0
+    assert sp.basis(probed, "loading_weights").startswith("3.0 MiB on disk, read at ")

@@ -25,6 +25,8 @@ from kiln.server.startup_history import StartupHistory
 
 GIB = 1 << 30
 MARKER = "kiln_startup_shapes.json"  # in the compile cache directory: the shapes compiled there
+# The weights' read-rate probe: at most this much of the first file, or this long (a launch must not wait on it)
+PROBE_BYTES, PROBE_S, PROBE_CHUNK = 64 << 20, 0.5, 4 << 20
 # Defaults for a host with no history: the 2-core AMD EPYC CPU host's rates when idle (its busy starts divided by
 # their contention; docs/benchmarks.md, "Startup prediction"); a first start elsewhere learns its own.
 DEFAULTS: dict[str, float] = {
@@ -67,6 +69,7 @@ class StartupFacts:
     draft_shapes: int = 0  # what capture_draft captures (speculative decoding)
     warmup: bool = True
     forked: bool = False  # the engine process is forked from the front, not spawned
+    read_bytes_per_s: float | None = None  # the weights' read rate, probed (read_rate); None: not probed
     # how much slower than on an idle host the CPU runs this start (contention_at_launch): CPU rates scale by it
     slowdown: float = 1.0
 
@@ -125,6 +128,8 @@ def predict(facts: StartupFacts, learned: dict[str, float] | None = None) -> dic
     out["warming_up"] = rate(warm_up, facts, r) if facts.warmup else 0.1
     if facts.device == "cpu":  # every phase but the download runs on the CPU the other processes share
         out = {k: v if k == "downloading" else v * facts.slowdown for k, v in out.items()}
+    if facts.read_bytes_per_s:  # a disk slower than the load's own work bounds it, however fast the CPU
+        out["loading_weights"] = max(out["loading_weights"], facts.weight_bytes / facts.read_bytes_per_s)
     out = {k: round(v, 1) for k, v in out.items()}
     out["total"] = round(sum(out.values()), 1)
     return out
@@ -247,6 +252,7 @@ def facts_for(args: ServerArgs, device: str, shapes: tuple[str, ...] | None = No
         draft_shapes=draft,
         warmup=not args.skip_server_warmup,
         forked=forked,
+        read_bytes_per_s=read_rate(args.model_path),
         slowdown=contention_at_launch() if device == "cpu" else 1.0,
     )
 
@@ -259,20 +265,44 @@ def _has_dir(kernel) -> bool:
     return True
 
 
-def model_bytes(model_path: str) -> int:
-    """The model's weight files on disk: a GGUF file, or a directory's safetensors (or .bin) files."""
+def weight_files(model_path: str) -> list[str]:
+    """The model's weight files: a GGUF or safetensors file, or a directory's safetensors (or .bin) files."""
     if os.path.isfile(model_path) and model_path.endswith((".gguf", ".safetensors")):
-        return os.path.getsize(model_path)
+        return [model_path]
     if os.path.isfile(model_path):  # a config.json (kiln plan): the weights beside it
         model_path = os.path.dirname(model_path) or "."
     try:
-        names = os.listdir(model_path)
+        names = sorted(os.listdir(model_path))
     except OSError:
-        return 0
+        return []
     weights = [n for n in names if n.endswith((".safetensors", ".gguf"))] or [
         n for n in names if n.endswith(".bin")
     ]
-    return sum(os.path.getsize(os.path.join(model_path, n)) for n in weights)
+    return [os.path.join(model_path, n) for n in weights]
+
+
+def model_bytes(model_path: str) -> int:
+    return sum(os.path.getsize(f) for f in weight_files(model_path))
+
+
+def read_rate(model_path: str, most_bytes: int = PROBE_BYTES, most_s: float = PROBE_S) -> float | None:
+    """Bytes per second reading the first weight file from its start, up to `most_bytes` or `most_s`: the disk's
+    rate, or the page cache's where the file is cached, as the load will find it. None without a file to read."""
+    files = weight_files(model_path)
+    if not files:
+        return None
+    buf, done, t0 = bytearray(PROBE_CHUNK), 0, time.perf_counter()
+    try:
+        with open(files[0], "rb", buffering=0) as f:
+            while done < most_bytes and time.perf_counter() - t0 < most_s:
+                n = f.readinto(buf)
+                if not n:
+                    break
+                done += n
+    except OSError:
+        return None
+    elapsed = time.perf_counter() - t0
+    return done / elapsed if done and elapsed > 0 else None
 
 
 def hub_bytes(args: ServerArgs) -> tuple[int, int] | None:
@@ -357,7 +387,9 @@ def basis(facts: StartupFacts, phase: str) -> str:
         return f"first build of {', '.join(cold)}" if cold else f"{len(facts.kernels)} cached builds"
     # human(): a GiB figure for a real model, and a small one's size still reads as more than "0.00 GiB"
     if phase == "loading_weights":  # a model id's first start: what the download will have put on disk
-        return f"{human(facts.weight_bytes)} " + ("once fetched" if facts.download_bytes else "on disk")
+        where = "once fetched" if facts.download_bytes else "on disk"
+        read = f", read at {human(int(facts.read_bytes_per_s))}/s" if facts.read_bytes_per_s else ""
+        return f"{human(facts.weight_bytes)} {where}{read}"
     if phase == "capturing":
         if not facts.shapes:
             return "no shapes"
