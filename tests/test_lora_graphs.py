@@ -1,7 +1,8 @@
 """LoRA inside the CPU's compiled decode steps (--enable-lora with --cuda-graph-max-bs): a batch mixing adapters and
 the base replays the compiled step, whose dense delta reads the slot buffers, and gives transformers' greedy ids
-with each adapter merged (float32); a new mix of adapters does not recompile; an adapter loaded after capture is
-read by the compiled code from its slot, not baked in at capture."""
+with each adapter merged (float32); a new mix of adapters does not recompile; a batch of one adapter or of the base
+runs eagerly, where that is cheaper; an adapter loaded after capture is read by the compiled code from its slot, not
+baked in at capture."""
 
 from __future__ import annotations
 
@@ -102,14 +103,23 @@ def test_mixed_batch_replays_compiled_steps(engine, prompts, want) -> None:
     assert engine.check_integrity()["ok"]
 
 
-def test_new_adapter_mixes_do_not_recompile(engine, prompts, want) -> None:
-    """Batches whose adapter sets differ (one adapter, the other and the base, the base alone, a padded batch of 3)
-    replay the steps captured at startup: nothing in them is guarded on which adapters a batch holds."""
+def test_batches_replay_where_the_dense_delta_pays_and_never_recompile(engine, prompts, want) -> None:
+    """Batches of two adapters (more than half of the 3 slots, where eager would run the dense form too) replay the
+    steps captured at startup whatever their mix, padded or not: nothing in them is guarded on which adapters a
+    batch holds. A batch of one adapter, or of the base alone, runs eagerly: the grouped form or no delta at all
+    is cheaper than the compiled step's dense delta over every slot (LoraBatch.compiled_pays)."""
     before = compiled_frames()
-    for loras in (["beta"] * 4, [None, "beta", None, "beta"], [None] * 4, ["alpha", "beta", None]):
+    for loras, compiled in (
+        (["beta", "alpha", "alpha", "beta"], True),
+        (["alpha", "beta", None], True),
+        (["beta"] * 4, False),
+        ([None, "beta", None, "beta"], False),
+        ([None] * 4, False),
+    ):
         got = run(engine, prompts[: len(loras)], loras)
         assert got == [want[n][i] for i, n in enumerate(loras)], loras
-        assert engine.steps.decodes and all(graph for _, graph in engine.steps.decodes), loras
+        decodes = engine.steps.decodes
+        assert decodes and all(graph == compiled for _, graph in decodes), (loras, decodes)
     assert compiled_frames() == before
 
 

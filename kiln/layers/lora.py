@@ -98,6 +98,14 @@ class LoraBatch:
     def any_adapter(self) -> bool:
         return bool(self.groups)
 
+    def compiled_pays(self) -> bool:
+        """Whether a compiled decode step should run this batch: it always runs the dense form over every slot
+        (add_delta), which only beats the eager step where that would run the dense form too; a batch of the base
+        alone or of few adapters runs eagerly, skipping the delta or taking the grouped form (docs/benchmarks.md:
+        on the CPU the base on a LoRA server ran at 0.83x compiled against 1.13x eager, one adapter 0.70x against
+        0.82x, sixteen 0.80x against 0.67x)."""
+        return self.any_adapter() and self.torch_form() == "dense"
+
     def torch_form(self) -> str:
         """dense or grouped for this batch. Under "torch" the cheaper one (measured on the CPU, docs/benchmarks.md):
         grouped does only the adapters present, but pays a gather and two small GEMMs per adapter, which the

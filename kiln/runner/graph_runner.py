@@ -383,10 +383,13 @@ class GraphRunner:
     def try_run(self, fb: ForwardBatch) -> StepOutput | None:
         """Logits of the batch from its captured shape, and the hidden states the model keeps for a draft (None
         when it keeps none); None when the batch runs eagerly by design (no shape holds it, a shape that does not
-        pay, KV past a CUDA graph's width, a shared prefix eager reads once). A captured shape that fails to run
+        pay, KV past a CUDA graph's width, a shared prefix eager reads once, a LoRA batch whose eager delta is
+        cheaper than the compiled step's dense one). A captured shape that fails to run
         a batch it was chosen for raises GraphReplayError naming the shape: running it eagerly instead would hide
         a broken graph behind a slower server."""
         if fb.mode == ForwardMode.DECODE:
+            if self.lora is not None and not self.lora.compiled_pays():
+                return None  # the eager step skips the delta, or takes the grouped form: cheaper (LoraBatch)
             phase, size = self._decode_shape(fb)
         else:
             phase = self.phases.get("prefill")
