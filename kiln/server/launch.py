@@ -96,6 +96,9 @@ class Launcher:
         self.drain_deadline = 0.0
         self.ranks = RankProcesses(self.args)
         self.stop_download = threading.Event()  # the server is stopping: a download in progress stops too
+        # while _engine_startup reads the ranks' reports it also judges their deaths: watch_engine, judging them
+        # too, would race it for the queue and could name the phase before the dead rank's last report
+        self.following_startup = False
         self.prediction = _predict(self.args)
         if self.prediction is not None:
             self.state.startup.predicted = self.prediction[1]
@@ -113,6 +116,13 @@ class Launcher:
 
     async def _engine_startup(self) -> ServerInfo | None:
         """Follows the ranks' phases until rank 0 is ready; a rank silent past --watchdog-timeout fails startup."""
+        self.following_startup = True
+        try:
+            return await self._follow_startup()
+        finally:
+            self.following_startup = False
+
+    async def _follow_startup(self) -> ServerInfo | None:
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -296,6 +306,8 @@ class Launcher:
         with several ranks each rank's loop turn (a rank that stops turning holds every other in a collective)."""
         while True:
             await asyncio.sleep(0.5)
+            if self.following_startup:
+                continue
             if self.ranks.dead() and not self.state.shutting_down:
                 self.engine_exited()
                 return
