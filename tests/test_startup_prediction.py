@@ -263,13 +263,10 @@ def test_engines_fork_on_the_cpu_before_serving_and_spawn_otherwise(monkeypatch)
         EnvError, match="KILN_ENGINE_START_METHOD='forkserver': expected one of auto, fork, spawn"
     ):
         start_method(args, forkable=True, device="cpu")
-    facts = sp.StartupFacts(device="cpu", host="h", weight_bytes=1 << 30)
-    forked = sp.predict(sp.StartupFacts(device="cpu", host="h", weight_bytes=1 << 30, forked=True))
-    assert sp.predict(facts)["launching"] == sp.DEFAULTS["launching_s"]
+    forked = sp.predict(facts(forked=True))
+    assert sp.predict(facts())["launching"] == sp.DEFAULTS["launching_s"]
     assert forked["launching"] == sp.DEFAULTS["launching_fork_s"] < sp.DEFAULTS["launching_s"]
-    learned = sp.observed_rates(
-        sp.StartupFacts(device="cpu", host="h", weight_bytes=1, forked=True), {"launching": 0.6}, None
-    )
+    learned = sp.observed_rates(facts(weight_bytes=1, forked=True), {"launching": 0.6}, None)
     assert learned["launching_fork_s"] == 0.6 and "launching_s" not in learned
 
 

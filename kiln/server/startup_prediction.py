@@ -342,7 +342,11 @@ def _marker_path(args: ServerArgs) -> str:
 
 def compiled_shapes(args: ServerArgs) -> set[str]:
     """The shapes an earlier start of this configuration compiled into its compile cache directory."""
-    shapes = read_json_dict(_marker_path(args)).get(_cache_key(args))
+    return _shapes_of(read_json_dict(_marker_path(args)), _cache_key(args))
+
+
+def _shapes_of(marker: dict, key: str) -> set[str]:
+    shapes = marker.get(key)
     return {s for s in shapes if isinstance(s, str)} if isinstance(shapes, list) else set()
 
 
@@ -352,7 +356,7 @@ def note_compiled(args: ServerArgs, shapes: tuple[str, ...]) -> None:
         return
     path, key = _marker_path(args), _cache_key(args)
     data = read_json_dict(path)
-    data[key] = sorted(compiled_shapes(args) | set(shapes))
+    data[key] = sorted(_shapes_of(data, key) | set(shapes))
     try:
         write_json_atomic(path, data)
     except OSError:  # a read-only cache: the next prediction says cold, and errs on the slow side
