@@ -1,11 +1,15 @@
-"""Kiln vs llama.cpp's `llama-server` vs transformers `generate()` on the same workloads, on this machine.
+"""Kiln against llama.cpp's `llama-server`, side by side, as a user deploys both.
 
-Starts one server at a time on 127.0.0.1 (Kiln, then llama-server on the shipped GGUF and on a Q4_0
-requantization), drives each with `kiln bench serve`'s engine, runs transformers in-process as the no-server
-baseline, and writes docs/benchmarks_compare.md plus PNG plots in docs/img/.
+Both servers start once and stay up for every workload: Kiln at its defaults (`kiln serve`, nothing tuned),
+llama-server on the default GGUF requantized to Q4_0 (its fastest format on these CPUs) with one `--parallel`
+and one context for all workloads. Each repetition runs every workload on both servers back to back, the
+order alternating (A/B, then B/A), with fresh prompts per repetition so that neither server finds an earlier
+repetition's prefix cached. The same client (`kiln bench serve`'s engine, streaming) drives both. Ratios are
+paired per repetition; the table gives their minimum and median, the host's CPU model and its load average
+before each run, and each server's CPU seconds per output token (Kiln's front and engine apart).
 
-    .venv/bin/python benchmarks/compare.py            # the full run (~30 min on 2 cores)
-    .venv/bin/python benchmarks/compare.py --quick    # a smoke run with a few short requests
+    .venv/bin/python benchmarks/compare.py              # 3 repetitions (~40 min on 2 cores)
+    .venv/bin/python benchmarks/compare.py --quick      # a smoke run with a few short requests
 """
 
 from __future__ import annotations
@@ -13,92 +17,100 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
+import random
+import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# decode steps compiled at SGLang's batch sizes up to 32, the workloads' concurrency (the CPU default compiles
-# nothing: ~30-40 s a shape at the first start, ~5 s a shape from the cache after)
-KILN_FLAGS = ["--max-running-requests", "64", "--max-total-tokens", "65536", "--cuda-graph-max-bs", "32"]
 RESULTS = Path("~/.cache/kiln/compare/results.json").expanduser()
+LLAMA = "llama.cpp Q4_0"
+LLAMA_PARALLEL, LLAMA_CTX = 32, 49152  # 32 slots of 1,536 tokens: the longest request (1,384) fits any slot
 
 
 @dataclass
 class Workload:
-    """One `kiln bench serve` workload: its flags, concurrency, and the tokens one request can occupy."""
+    """One `kiln bench serve` workload; `target`: (least paired tok/s ratio, most mean-TTFT ratio)."""
 
     name: str
     label: str
     flags: list[str]
     concurrency: int
-    tokens_per_request: int
+    target: tuple[float | None, float | None] = (None, None)
 
 
-def workloads(quick: bool) -> list[Workload]:
-    """(a) 32 streams of prose, (b) shared prefix, a concurrency-8 point for the sweep, (c) one stream."""
-    n, out, sys_len, gsp_out = (8, 16, 300, 16) if quick else (64, 128, 1300, 64)
-    common = ["--dataset-name", "random", "--random-input-len", "200", "--random-range-ratio", "1"]
-    rand = [*common, "--random-output-len", str(out), "--ignore-eos"]
-    gsp = [
-        "--dataset-name", "shared-prefix", "--gsp-num-groups", "1", "--gsp-prompts-per-group", str(n),
-        "--gsp-system-prompt-len", str(sys_len), "--gsp-question-len", "20", "--gsp-output-len", str(gsp_out),
-        "--ignore-eos",
-    ]  # fmt: skip
+def chat_prompts(path: Path, n: int, seed: int) -> Path:
+    """`n` chat requests about real prose (passages of Python's own documentation, in the standard library),
+    one JSON object per line for `--dataset-name jsonl`; `seed` picks the passages, so each repetition asks
+    about different ones."""
+    from pydoc_data.topics import topics
+
+    paras = [" ".join(p.split()) for t in topics.values() for p in t.split("\n\n")]
+    paras = [p for p in paras if 60 <= len(p.split()) <= 160]
+    picked = random.Random(seed).sample(paras, n)
+    asks = ("Explain this passage to a new programmer:", "Summarise this in three sentences:",
+            "What are the key points here?", "Rewrite this more simply:")  # fmt: skip
+    lines = [{"prompt": f"{asks[i % len(asks)]}\n\n{p}", "output_len": 128} for i, p in enumerate(picked)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def workloads(quick: bool, rep: int, scratch: Path) -> list[Workload]:
+    """The issue's workloads with seeds of this repetition: one stream and 32 of random prose, a shared
+    prefix, and streaming chat about real text (one stream and 32)."""
+    n, n1, out, sys_len, gsp_out = (8, 2, 16, 300, 16) if quick else (64, 8, 128, 1300, 64)
+    seed = 1000 * (rep + 1)
+    rand = ["--dataset-name", "random", "--random-input-len", "200", "--random-range-ratio", "1",
+            "--random-output-len", str(out)]  # fmt: skip
+    gsp = ["--dataset-name", "shared-prefix", "--gsp-num-groups", "1", "--gsp-prompts-per-group", str(n),
+           "--gsp-system-prompt-len", str(sys_len), "--gsp-question-len", "20", "--gsp-output-len", str(gsp_out)]  # fmt: skip
+
+    def chat(k: int, s: int) -> list[str]:
+        path = chat_prompts(scratch / f"chat-{rep}-{k}.jsonl", k, s)
+        return ["--backend", "openai-chat", "--dataset-name", "jsonl", "--dataset-path", str(path)]
+
     return [
-        Workload("random-c32", f"(a) {n} x 200-token prompts, {out} out, 32 concurrent",
-                 [*rand, "--num-prompts", str(n), "--seed", "1"], 32, 200 + out),
-        Workload("shared-prefix", f"(b) {n} requests, {sys_len}-token shared prefix + 20, {gsp_out} out, 32 concurrent",
-                 [*gsp, "--seed", "4"], 32, sys_len + 20 + gsp_out),
-        Workload("random-c8", f"{max(4, n // 4)} x 200-token prompts, {out} out, 8 concurrent",
-                 [*rand, "--num-prompts", str(max(4, n // 4)), "--seed", "2"], 8, 200 + out),
-        Workload("single", f"(c) one stream: {2 if quick else 4} x 200-token prompts, {out} out",
-                 [*rand, "--num-prompts", str(2 if quick else 4), "--seed", "3"], 1, 200 + out),
+        Workload("single", f"one stream: {n1} x 200-token prompts, {out} out", [*rand, "--num-prompts", str(n1),
+                 "--seed", str(seed + 1)], 1, (1.0, None)),
+        Workload("random-c32", f"{n} x 200-token prompts, {out} out, 32 concurrent",
+                 [*rand, "--num-prompts", str(n), "--seed", str(seed + 2)], 32, (3.0, None)),
+        Workload("shared-prefix", f"{n} requests, {sys_len}-token shared prefix + 20, {gsp_out} out, 32 concurrent",
+                 [*gsp, "--seed", str(seed + 3)], 32, (10.0, 0.2)),
+        Workload("chat-single", f"streaming chat on real text, one stream: {n1} requests, 128 out",
+                 chat(n1, seed + 4), 1),
+        Workload("chat-c32", f"streaming chat on real text, 32 concurrent: {n} requests, 128 out",
+                 chat(n, seed + 5), 32),
     ]  # fmt: skip
 
 
 def bench_argv(base_url: str, w: Workload, timeout: float) -> list[str]:
+    backend = [] if "--backend" in w.flags else ["--backend", "openai"]
     return [
-        "bench", "serve", "--backend", "openai", "--base-url", base_url, "--max-concurrency", str(w.concurrency),
+        "bench", "serve", *backend, "--base-url", base_url, "--max-concurrency", str(w.concurrency),
         "--request-timeout", str(timeout), "--total-timeout", str(timeout), "--warmup-requests", "0",
         "--disable-tqdm", *w.flags,
     ]  # fmt: skip
 
 
 def run_bench(argv: list[str], tok) -> dict:
-    """One `kiln bench serve` run via its Python API; the metrics plus per-request TTFT/TPOT lists."""
+    """One `kiln bench serve` run through its Python API."""
     from kiln.bench.cli import register
-    from kiln.bench.metrics import compute_metrics, format_result
+    from kiln.bench.metrics import compute_metrics
     from kiln.bench.serve import benchmark
     from kiln.bench.workloads import build_workload
 
     parser = argparse.ArgumentParser(prog="kiln")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(argv)
-    convs = build_workload(args, tok)
-    records, duration = asyncio.run(benchmark(args, convs, tok))
-    m = compute_metrics(records, duration)
-    print(format_result(m, args.backend, args.request_rate, args.max_concurrency), flush=True)
-    ok = [r for r in records if r.success]
-    m["ttfts_ms"] = [r.ttft * 1000 for r in ok]
-    m["tpots_ms"] = [t * 1000 for r in ok if (t := r.tpot) is not None]
-    m["command"] = "kiln " + " ".join(argv)
-    return m
-
-
-def warm_up(url: str, timeout: float = 600.0) -> None:
-    """One short request on a prompt no workload uses, so no benchmark prompt is cached beforehand."""
-    import httpx
-
-    body = {"prompt": "Warm-up: list three colours.", "max_tokens": 8, "temperature": 0.0, "stream": False}
-    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, trust_env=False)
-    resp.raise_for_status()
+    records, duration = asyncio.run(benchmark(args, build_workload(args, tok), tok))
+    return compute_metrics(records, duration)
 
 
 def free_port() -> int:
@@ -109,312 +121,283 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_kiln(wls: list[Workload], tok, logdir: Path, timeout: float, flags: list[str]) -> tuple[dict, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kiln.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
-    results = {}
-    with llama_cpp.running(cmd, url, logdir / "kiln-serve.log"):
-        warm_up(url)
-        for w in wls:
-            print(f"== kiln: {w.name}", flush=True)
-            results[w.name] = run_bench(bench_argv(url, w, timeout), tok)
-    return results, "kiln serve --host 127.0.0.1 --port PORT " + " ".join(flags)
+@dataclass
+class Server:
+    label: str
+    cmd: list[str]
+    url: str
+    log: Path
+    proc: object = None
+    shown: str = ""  # the command as a user would type it (no port, no machine paths)
+    cpu_at: dict = field(default_factory=dict)
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds (user + system) of the server's first process and of all its children so far; a child
+        that has exited leaves its last figure in `cpu_at`."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        own = sum(root.cpu_times()[:2])
+        for c in root.children(recursive=True):
+            try:
+                self.cpu_at[c.pid] = sum(c.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                pass
+        return own, sum(self.cpu_at.values())
 
 
-def run_llama(model: Path, wls: list[Workload], tok, logdir: Path, timeout: float) -> tuple[dict, list[str]]:
-    """One llama-server per concurrency level (--parallel = concurrency, ctx = slots x tokens per request)."""
-    results, cmds = {}, []
-    for conc in sorted({w.concurrency for w in wls}, reverse=True):
-        group = [w for w in wls if w.concurrency == conc]
-        per_slot = math.ceil((max(w.tokens_per_request for w in group) + 64) / 256) * 256
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = llama_cpp.server_command(model, port, conc, conc * per_slot)
-        cmds.append(" ".join(cmd).replace(str(port), "PORT"))
-        with llama_cpp.running(cmd, url, logdir / f"llama-server-{model.stem}-p{conc}.log"):
-            warm_up(url)
-            for w in group:
-                print(f"== llama-server {model.name}: {w.name}", flush=True)
-                results[w.name] = run_bench(bench_argv(url, w, timeout), tok)
-    return results, cmds
+def warm_up(url: str, timeout: float = 600.0) -> None:
+    """One short request on a prompt no workload uses, so nothing a workload asks is cached beforehand."""
+    import httpx
+
+    body = {"prompt": "Warm-up: list three colours.", "max_tokens": 8, "temperature": 0.0, "stream": False}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, trust_env=False).raise_for_status()
 
 
-def hf_baseline(model_path: str, wls: list[Workload], tok, max_requests: int, threads: int) -> dict:
-    """transformers generate(), greedy, batch = concurrency, fixed output length; output tok/s per workload."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kiln.bench.cli import register
-    from kiln.bench.workloads import build_workload
-
-    torch.set_num_threads(threads)
-    d, f = os.path.dirname(model_path), os.path.basename(model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    hf_tok = AutoTokenizer.from_pretrained(d, gguf_file=f, padding_side="left")
-    hf_tok.pad_token = hf_tok.pad_token or hf_tok.eos_token
-    parser = argparse.ArgumentParser(prog="kiln")
-    register(parser.add_subparsers(dest="command"))
-    results = {}
-    for w in wls:
-        args = parser.parse_args(bench_argv("http://unused", w, 1))
-        turns = [c.turns[0] for c in build_workload(args, tok)][:max_requests]
-        print(f"== transformers generate(): {w.name} ({len(turns)} requests)", flush=True)
-        start, out_tokens, lat = time.perf_counter(), 0, []
-        for i in range(0, len(turns), w.concurrency):
-            batch = turns[i : i + w.concurrency]
-            n_out = max(t.output_len for t in batch)
-            enc = hf_tok(
-                [t.prompt for t in batch], return_tensors="pt", padding=True, add_special_tokens=False
-            )
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                gen = model.generate(**enc, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False)
-            lat += [time.perf_counter() - t0] * len(batch)
-            out_tokens += (gen.shape[1] - enc["input_ids"].shape[1]) * len(batch)
-        dur = time.perf_counter() - start
-        results[w.name] = {
-            "completed": len(turns), "failed": 0, "duration": dur, "total_output_tokens": out_tokens,
-            "output_throughput": out_tokens / dur, "mean_e2e_latency_ms": 1000 * sum(lat) / len(lat),
-        }  # fmt: skip
-        print(f"   {out_tokens} tokens in {dur:.1f} s: {out_tokens / dur:.1f} tok/s", flush=True)
-    return results
+def servers(model: Path, kiln_args: list[str], logdir: Path) -> list[Server]:
+    home = str(Path.home())
+    kp, lp = free_port(), free_port()
+    kiln = [sys.executable, "-m", "kiln.cli", "serve", "--host", "127.0.0.1", "--port", str(kp), *kiln_args]
+    q4 = llama_cpp.quantize(model, "Q4_0")
+    llama = llama_cpp.server_command(q4, lp, LLAMA_PARALLEL, LLAMA_CTX)
+    return [
+        Server("Kiln", kiln, f"http://127.0.0.1:{kp}", logdir / "kiln-serve.log",
+               shown=" ".join(["kiln", *kiln[3:]]).replace(str(kp), "PORT")),
+        Server(LLAMA, llama, f"http://127.0.0.1:{lp}", logdir / "llama-server.log",
+               shown=" ".join(llama).replace(str(lp), "PORT").replace(home, "~")),
+    ]  # fmt: skip
 
 
-def versions() -> dict:
-    import subprocess
-
-    import torch
-    import transformers
-
-    import kiln
-
-    def git(*a: str) -> str:
-        r = subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, timeout=60)
-        return r.stdout.strip() or "unknown"
-
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
-    return {
-        "kiln": f"{kiln.__version__} (git {git('describe', '--always', '--dirty')})",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "llama.cpp": llama_cpp.version() if llama_cpp.binary("llama-server").exists() else "not built", "python": sys.version.split()[0],
-        "cpu": f"{cpu}, {os.cpu_count()} logical cores", "load_average_start": " ".join(map(str, os.getloadavg())),
-    }  # fmt: skip
+def one_run(s: Server, w: Workload, rep: int, tok, timeout: float) -> dict:
+    load = os.getloadavg()[0]
+    front0, kids0 = s.cpu()
+    m = run_bench(bench_argv(s.url, w, timeout), tok)
+    front1, kids1 = s.cpu()
+    toks = max(1, m["total_output_tokens"])
+    row = {"server": s.label, "workload": w.name, "rep": rep, "load_1min": load}
+    row |= {k: m.get(k) for k in ("completed", "failed", "output_throughput", "mean_ttft_ms", "median_tpot_ms",
+                                  "total_output_tokens", "prefix_cache_hit_rate")}  # fmt: skip
+    row["cpu_ms_per_token"] = 1000 * (front1 - front0 + kids1 - kids0) / toks
+    row["front_cpu_ms_per_token"] = 1000 * (front1 - front0) / toks
+    print(f"   rep {rep} {w.name:14s} {s.label:15s} {m['output_throughput']:7.1f} tok/s  TTFT "
+          f"{m.get('mean_ttft_ms') or 0:7.0f} ms  load {load:.2f}", flush=True)  # fmt: skip
+    return row
 
 
-# ---- report: markdown table, ratios against the targets, plots ----------------------------------------
-TARGETS = {  # workload -> (min output tok/s ratio, max mean-TTFT ratio, min prefix hit rate)
-    "random-c32": (3.0, None, None),
-    "shared-prefix": (8.0, 0.2, 0.9),
-    "single": (0.6, None, None),
-}
-
-
-def _f(v: float | None, spec: str = ".1f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
-def fastest_llama(runs: dict, wname: str) -> str | None:
-    cands = [k for k in runs if k.startswith("llama.cpp") and wname in runs[k]]
-    return max(cands, key=lambda k: runs[k][wname]["output_throughput"], default=None)
-
-
-def results_table(data: dict) -> list[str]:
-    lines = []
-    for w in data["workloads"]:
-        lines += [f"### {w['label']}", "", "| server | ok / failed | output tok/s | mean TTFT (ms) | "
-                  "TPOT p50 (ms) | TPOT p99 (ms) | prefix hit rate |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-        for server, runs in data["runs"].items():
-            m = runs.get(w["name"])
-            if m is None:
-                continue
-            hit = m.get("prefix_cache_hit_rate")
-            lines.append(
-                f"| {server} | {m['completed']} / {m['failed']} | {_f(m['output_throughput'])} | "
-                f"{_f(m.get('mean_ttft_ms'), '.0f')} | {_f(m.get('median_tpot_ms'))} | {_f(m.get('p99_tpot_ms'))} | "
-                f"{'n/a' if hit is None else format(hit, '.1%')} |"
-            )
-        lines.append("")
-    return lines
-
-
-def ratio_table(data: dict) -> list[str]:
-    runs = data["runs"]
-    lines = ["| workload | Kiln tok/s | llama.cpp fastest config | its tok/s | tok/s ratio | mean TTFT ratio | "
-             "Kiln hit rate | target | met |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for wname, (min_tok, max_ttft, min_hit) in TARGETS.items():
-        best, kiln = fastest_llama(runs, wname), runs.get("Kiln", {}).get(wname)
-        if best is None or kiln is None:
-            continue
-        ll = runs[best][wname]
-        tok = kiln["output_throughput"] / ll["output_throughput"] if ll["output_throughput"] else None
-        ttft = kiln["mean_ttft_ms"] / ll["mean_ttft_ms"] if ll.get("mean_ttft_ms") else None
-        hit = kiln.get("prefix_cache_hit_rate")
-        want = [f"tok/s >= {min_tok}x"] + ([f"TTFT <= {max_ttft}x"] if max_ttft else [])
-        want += [f"hit >= {min_hit:.0%}"] if min_hit else []
-        met = tok is not None and tok >= min_tok
-        met &= max_ttft is None or (ttft is not None and ttft <= max_ttft)
-        met &= min_hit is None or (hit is not None and hit >= min_hit)
-        lines.append(
-            f"| {wname} | {_f(kiln['output_throughput'])} | {best} | {_f(ll['output_throughput'])} | "
-            f"{_f(tok, '.2f')}x | {_f(ttft, '.2f')}x | {'n/a' if hit is None else format(hit, '.1%')} | "
-            f"{', '.join(want)} | {'yes' if met else '**no**'} |"
-        )
-    return lines
-
-
-SWEEP = (("single", 1), ("random-c8", 8), ("random-c32", 32))
-
-
-def plot_throughput(data: dict, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for server, runs in data["runs"].items():
-        pts = [(c, runs[n]["output_throughput"]) for n, c in SWEEP if n in runs]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=server, ls="--" if "transformers" in server else "-")
-    ax.set(xscale="log", xlabel="concurrent streams (transformers: batch size)", ylabel="output tok/s",
-           title="Output throughput vs concurrency (200-token prompts)")  # fmt: skip
-    ax.set_xticks([c for _, c in SWEEP], [str(c) for _, c in SWEEP])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_latency(data: dict, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    servers = [s for s, r in data["runs"].items() if any("ttfts_ms" in m for m in r.values())]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for row, wname in enumerate(("random-c32", "shared-prefix")):
-        for col, (key, title) in enumerate((("ttfts_ms", "TTFT (ms)"), ("tpots_ms", "TPOT (ms)"))):
-            ax = axes[row][col]
-            have = [s for s in servers if data["runs"][s].get(wname, {}).get(key)]
-            if have:
-                ax.boxplot([data["runs"][s][wname][key] for s in have], tick_labels=have)
-            ax.set_title(f"{wname}: {title}", fontsize=10)
-            ax.tick_params(axis="x", labelsize=7)
-            ax.set_yscale("log")
-            ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_report(data: dict, md: Path, img_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    img_dir.mkdir(parents=True, exist_ok=True)
-    plot_throughput(data, img_dir / "compare_throughput.png")
-    plot_latency(data, img_dir / "compare_latency.png")
-    rel = os.path.relpath(img_dir, md.parent)
-    v, cmds = data["versions"], data["commands"]
-    lines = [
-        "# Kiln vs llama.cpp vs transformers on this machine",
-        "",
-        "Generated by `.venv/bin/python benchmarks/compare.py"
-        + (" --quick`; a smoke run, not figures to quote." if data["quick"] else "` from one run."),
-        "Each server ran alone on 127.0.0.1; the client is `kiln bench serve` (OpenAI `/v1/completions`, "
-        "greedy, `ignore_eos`). TTFT/TPOT in ms; TPOT excludes the first token. transformers runs in-process "
-        "(`generate()`, batch = concurrency), so only its output tok/s is reported.",
-        "",
-        f"Model: `{os.path.basename(data['model'])}`.",
-        "",
-        "## Ratios (Kiln / llama.cpp in its fastest configuration per workload)",
-        "",
-        *ratio_table(data),
-        "",
-        "## Results",
-        "",
-        *results_table(data),
-        f"![output tok/s vs concurrency]({rel}/compare_throughput.png)",
-        "",
-        f"![TTFT and TPOT distributions]({rel}/compare_latency.png)",
-        "",
-        "## Versions and machine",
-        "",
-        *[f"- {k}: {val}" for k, val in v.items()],
-        "",
-        "## Commands",
-        "",
-        "```",
-        "# llama.cpp build (cached in ~/.cache/kiln/llama.cpp-<version>/, benchmarks/llama_cpp.py)",
-        f"pip download --no-deps --no-binary :all: llama-cpp-python=={llama_cpp.SDIST_VERSION}",
-        "cmake -S <sdist>/vendor/llama.cpp -B build " + " ".join(llama_cpp.CMAKE_FLAGS),
-        "cmake --build build --target " + " ".join(llama_cpp.TARGETS) + " -j 2",
-    ]
-    if "quantize" in cmds:
-        lines.append(cmds["quantize"])
-    for server, cmd in cmds.items():
-        if server != "quantize":
-            lines += [f"# {server}", *(cmd if isinstance(cmd, list) else [cmd])]
-    lines.append("# workloads (against each server's URL)")
-    first = next(iter(data["runs"].values()), {})
-    lines += [m["command"].replace(m["command"].split("--base-url ")[1].split()[0], "URL")
-              for m in first.values() if "command" in m]  # fmt: skip
-    lines += ["```", ""]
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text("\n".join(lines))
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a short smoke run (few short requests)")
-    p.add_argument("--only", default="kiln,llama-shipped,llama-q4_0,transformers",
-                   help="comma-separated subset of kiln, llama-shipped, llama-q4_0, transformers")  # fmt: skip
-    p.add_argument("--kiln-arg", action="append", default=[], help="extra `kiln serve` argument, repeatable")
-    p.add_argument("--model-path", default=None, help="GGUF to serve (default: Kiln's default model)")
-    p.add_argument("--results", type=Path, default=RESULTS, help="raw results JSON (written, or read)")
-    p.add_argument("--render-only", action="store_true", help="re-render the docs from --results")
-    p.add_argument("--out-md", type=Path, default=ROOT / "docs" / "benchmarks_compare.md")
-    p.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
-    p.add_argument("--hf-max-requests", type=int, default=32, help="requests per workload for transformers")
-    p.add_argument("--hf-threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="torch threads for transformers (default: all cores, like kiln serve)")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one benchmark run may take")
-    return p.parse_args(argv)
+def in_turn(srv: list, rep: int, i: int) -> list:
+    """Which server runs workload `i` of repetition `rep` first: A/B, then B/A, so neither always runs second
+    (on a warmer cache, or later in a drifting hour)."""
+    return srv if (rep + i) % 2 == 0 else srv[::-1]
 
 
 def collect(a: argparse.Namespace) -> dict:
     from kiln.bench.workloads import load_tokenizer
     from kiln.loader.default_model import default_model_path
 
-    only = set(a.only.split(","))
     model = Path(a.model_path or default_model_path())
-    wls = workloads(a.quick)
     tok = load_tokenizer(str(model))
     logdir = a.results.parent / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
-    if only & {"llama-shipped", "llama-q4_0"}:
-        llama_cpp.build()
-    data: dict = {"quick": a.quick, "versions": versions(), "workloads": [asdict(w) for w in wls]}
-    data["model"], data["runs"], data["commands"] = str(model), {}, {}
-    if "kiln" in only:
-        data["runs"]["Kiln"], data["commands"]["Kiln"] = run_kiln(
-            wls, tok, logdir, a.timeout, KILN_FLAGS + a.kiln_arg
-        )
-    for key, label, qtype in (
-        ("llama-shipped", "llama.cpp (shipped GGUF)", None),
-        ("llama-q4_0", "llama.cpp Q4_0", "Q4_0"),
-    ):
-        if key in only:
-            gguf = llama_cpp.quantize(model, qtype) if qtype else model
-            data["runs"][label], data["commands"][label] = run_llama(gguf, wls, tok, logdir, a.timeout)
-    if "llama-q4_0" in only:
-        cmd = llama_cpp.quantize_command(model, llama_cpp.quantize(model, "Q4_0"))
-        data["commands"]["quantize"] = " ".join(cmd)
-    if "transformers" in only:
-        data["runs"]["transformers generate()"] = hf_baseline(
-            str(model), wls, tok, a.hf_max_requests, a.hf_threads
-        )
-    data["versions"]["load_average_end"] = " ".join(map(str, os.getloadavg()))
+    llama_cpp.build()
+    data: dict = {"quick": a.quick, "reps": a.reps, "model": model.name, "versions": versions(), "runs": []}
+    data["load_average_start"] = os.getloadavg()
+    srv = servers(model, a.kiln_arg, logdir)
+    data["commands"] = {s.label: s.shown for s in srv}
+    with ExitStack() as stack:
+        for s in srv:  # both up, each started and warmed once, for the whole run
+            t0 = time.monotonic()
+            s.proc = stack.enter_context(llama_cpp.running(s.cmd, s.url, s.log, a.ready_timeout))
+            warm_up(s.url)
+            print(f"== {s.label} ready in {time.monotonic() - t0:.0f} s", flush=True)
+        for rep in range(a.reps):
+            wls = workloads(a.quick, rep, logdir)
+            data["workloads"] = [asdict(w) for w in wls]
+            for i, w in enumerate(wls):
+                data["runs"] += [one_run(s, w, rep, tok, a.timeout) for s in in_turn(srv, rep, i)]
+    data["load_average_end"] = os.getloadavg()
     return data
+
+
+def versions() -> dict:
+    import subprocess
+
+    import torch
+
+    import kiln
+
+    r = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
+    )
+    return {
+        "kiln": f"{kiln.__version__} (git {r.stdout.strip() or 'unknown'})", "torch": torch.__version__,
+        "llama.cpp": llama_cpp.version(), "python": sys.version.split()[0],
+        "cpu": f"{cpu}, {os.cpu_count()} logical cores",
+    }  # fmt: skip
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+def _f(v: float | None, spec: str = ".1f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def paired(data: dict, wname: str, key: str) -> list[float]:
+    """Kiln's figure over llama.cpp's, per repetition."""
+    by = {(r["server"], r["rep"]): r.get(key) for r in data["runs"] if r["workload"] == wname}
+    reps = sorted({rep for _, rep in by})
+    return [
+        by["Kiln", r] / by[LLAMA, r] for r in reps if by.get(("Kiln", r)) is not None and by.get((LLAMA, r))
+    ]
+
+
+def figures(data: dict, wname: str, server: str, key: str) -> list[float]:
+    rows = [r for r in data["runs"] if r["workload"] == wname and r["server"] == server]
+    return [r[key] for r in rows if r.get(key) is not None]
+
+
+def _mm(xs: list[float], spec: str = ".1f") -> str:
+    return f"{min(xs):{spec}} / {statistics.median(xs):{spec}}" if xs else "n/a"
+
+
+def verdict(tok: list[float], ttft: list[float], target: tuple) -> str:
+    least, most = target
+    if least is None:
+        return "—"
+    ok = bool(tok) and min(tok) >= least and (most is None or (bool(ttft) and max(ttft) <= most))
+    want = f"≥ {least:g}x" + (f", TTFT ≤ {most:g}x" if most else "")
+    return f"{want}: {'yes' if ok else '**no**'}"
+
+
+def headline(data: dict) -> list[str]:
+    lines = ["| workload | Kiln tok/s, min / median | llama.cpp Q4_0 tok/s, min / median | tok/s ratio, min / "
+             "median | mean TTFT ratio, min / median | load avg (1 min) | target: met |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for w in data["workloads"]:
+        tok, ttft = paired(data, w["name"], "output_throughput"), paired(data, w["name"], "mean_ttft_ms")
+        loads = [r["load_1min"] for r in data["runs"] if r["workload"] == w["name"]]
+        lines.append(
+            f"| {w['label']} | {_mm(figures(data, w['name'], 'Kiln', 'output_throughput'))} | "
+            f"{_mm(figures(data, w['name'], 'llama.cpp Q4_0', 'output_throughput'))} | {_mm(tok, '.2f')} | "
+            f"{_mm(ttft, '.2f')} | {min(loads):.2f}-{max(loads):.2f} | {verdict(tok, ttft, tuple(w['target']))} |"
+        )
+    return lines
+
+
+def cpu_table(data: dict) -> list[str]:
+    lines = [
+        "| workload | Kiln CPU ms / output token (front) | llama.cpp CPU ms / output token |",
+        "|---|---|---|",
+    ]
+    for w in data["workloads"]:
+        k = figures(data, w["name"], "Kiln", "cpu_ms_per_token")
+        f = figures(data, w["name"], "Kiln", "front_cpu_ms_per_token")
+        ll = figures(data, w["name"], LLAMA, "cpu_ms_per_token")
+        if k and ll:
+            med = statistics.median
+            lines.append(f"| {w['name']} | {med(k):.1f} ({med(f):.2f}) | {med(ll):.1f} |")
+    return lines
+
+
+def runs_table(data: dict) -> list[str]:
+    lines = ["| rep | workload | server | ok / failed | output tok/s | mean TTFT ms | TPOT p50 ms | load |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in data["runs"]:
+        lines.append(f"| {r['rep']} | {r['workload']} | {r['server']} | {r['completed']} / {r['failed']} | "
+                     f"{_f(r['output_throughput'])} | {_f(r['mean_ttft_ms'], '.0f')} | {_f(r['median_tpot_ms'])} | "
+                     f"{r['load_1min']:.2f} |")  # fmt: skip
+    return lines
+
+
+def plot_ratios(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [w["name"] for w in data["workloads"]]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, w in enumerate(data["workloads"]):
+        ratios = paired(data, w["name"], "output_throughput")
+        ax.scatter([i] * len(ratios), ratios, color="tab:blue", zorder=3)
+        if w["target"][0]:
+            ax.hlines(w["target"][0], i - 0.3, i + 0.3, color="tab:red", lw=2, zorder=2)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set(yscale="log", ylabel="Kiln / llama.cpp Q4_0 output tok/s",
+           title="Paired ratio per repetition (dots) and target (red)")  # fmt: skip
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(data: dict, md: Path, img: Path) -> None:
+    img.parent.mkdir(parents=True, exist_ok=True)
+    plot_ratios(data, img)
+    v, la0, la1 = data["versions"], data["load_average_start"], data["load_average_end"]
+    lines = [
+        "# Kiln vs llama.cpp's llama-server, side by side",
+        "",
+        f"Generated by `.venv/bin/python benchmarks/compare.py{' --quick' if data['quick'] else ''}`"
+        + (": a smoke run, not figures to quote." if data["quick"] else f", {data['reps']} repetitions."),
+        "Both servers up for the whole run on 127.0.0.1, each configured once; every repetition runs each workload "
+        "on both, back to back, in alternating order, with prompts of its own. Ratios are Kiln over llama.cpp, "
+        "paired per repetition. Client: `kiln bench serve` (streaming, greedy, `ignore_eos`).",
+        "",
+        f"Model: `{data['model']}` (llama.cpp: requantized to Q4_0). Host: {v['cpu']}; load average "
+        f"{la0[0]:.2f} / {la0[1]:.2f} / {la0[2]:.2f} at the start, {la1[0]:.2f} / {la1[1]:.2f} / {la1[2]:.2f} at "
+        "the end.",
+        "",
+        *headline(data),
+        "",
+        f"![paired ratios]({os.path.relpath(img, md.parent)})",
+        "",
+        "## CPU per output token (median over repetitions)",
+        "",
+        "Each server's process tree, user + system seconds over the run, divided by its output tokens; for Kiln "
+        "the front's own share (HTTP, tokenizer, detokenizer, streaming) in parentheses.",
+        "",
+        *cpu_table(data),
+        "",
+        "## Every run",
+        "",
+        *runs_table(data),
+        "",
+        "## Versions",
+        "",
+        *[f"- {k}: {val}" for k, val in v.items()],
+        "",
+        "## Commands",
+        "",
+        "```",
+        "# llama.cpp (benchmarks/llama_cpp.py builds it into ~/.cache/kiln/llama.cpp-<version>/)",
+        f"pip download --no-deps --no-binary :all: llama-cpp-python=={llama_cpp.SDIST_VERSION}",
+        "cmake -S <sdist>/vendor/llama.cpp -B build " + " ".join(llama_cpp.CMAKE_FLAGS),
+        "cmake --build build --target " + " ".join(llama_cpp.TARGETS) + " -j 2",
+        "llama-quantize --allow-requantize <default model .gguf> <its .Q4_0.gguf> Q4_0",
+        *[f"# {label}\n{cmd}" for label, cmd in data["commands"].items()],
+        "# each workload, against each server (seeds and chat files per repetition)",
+        *[" ".join(bench_argv("URL", Workload(**w), 1800)) for w in data["workloads"]],
+        "```",
+        "",
+    ]
+    md.write_text("\n".join(lines).replace(str(Path.home()), "~"))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a short smoke run (few short requests)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every workload on both servers")
+    p.add_argument("--kiln-arg", action="append", default=[], help="a `kiln serve` argument (default: none)")
+    p.add_argument("--model-path", default=None, help="GGUF to serve (default: Kiln's default model)")
+    p.add_argument("--results", type=Path, default=RESULTS, help="raw results JSON (written, or read)")
+    p.add_argument("--render-only", action="store_true", help="re-render the docs from --results")
+    p.add_argument("--out-md", type=Path, default=ROOT / "docs" / "benchmarks_compare.md")
+    p.add_argument("--img", type=Path, default=ROOT / "docs" / "img" / "compare_ratios.png")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one benchmark run may take")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         data = collect(a)
         a.results.parent.mkdir(parents=True, exist_ok=True)
         a.results.write_text(json.dumps(data))
-    write_report(data, a.out_md, a.img_dir)
-    print(f"wrote {a.out_md} and plots in {a.img_dir}; raw results in {a.results}")
+    write_report(data, a.out_md, a.img)
+    print(f"wrote {a.out_md} and {a.img}; raw results in {a.results}")
     return 0
 
 

@@ -15,6 +15,7 @@ import httpx
 import layers
 import pytest
 import torch
+import zygote
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One torch thread in every test process and in every engine and server they start (Kiln's --num-threads default
@@ -197,17 +198,24 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`kiln serve` in a subprocess on 127.0.0.1 (with extra environment variables, e.g. fault injection),
-    stopped (and reaped) at the end."""
+    """`kiln serve` in a subprocess on 127.0.0.1, stopped (and reaped) at the end: forked from the worker's
+    pre-imported fork server (tests/zygote.py) with `env` added to the worker's environment, or, where `env` holds
+    a variable some module reads at import (huggingface_hub's HF_*), or with KILN_TEST_FORK_SERVERS=0, its command
+    line spawned."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "kiln.cli", "serve", "--port", str(self.port), *args]
+        argv = ["serve", "--port", str(self.port), *args]
         self.log = open(log_path, "w")
+        read_at_call = all(k.startswith(("KILN_", "SGLANG_")) for k in env or {})  # kiln.core.envs reads these
+        if read_at_call and os.environ.get("KILN_TEST_FORK_SERVERS", "1") == "1":
+            layers.starting_a_server()
+            self.proc = zygote.ForkedServer(argv, str(log_path), {**os.environ, **(env or {})})
+            return
         self.proc = subprocess.Popen(
-            cmd,
+            [sys.executable, "-m", "kiln.cli", *argv],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

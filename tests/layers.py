@@ -104,6 +104,11 @@ def _check(what: str, needs: str) -> None:
         pytest.fail(f"{item.nodeid} is marked {layer_of(item)} but {what}: mark it {needs} (tests/layers.py)")
 
 
+def starting_a_server() -> None:
+    """What a test calls as it starts a server by other means than a command line (tests/zygote.py)."""
+    _check("it starts a server process", "server")
+
+
 def install_guards() -> None:
     """Holds each test, its setup included (a module fixture's engine is the first test's), to its layer."""
     import kiln.engine
