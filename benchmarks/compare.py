@@ -170,15 +170,16 @@ def servers(model: Path, kiln_args: list[str], logdir: Path) -> list[Server]:
 
 def one_run(s: Server, w: Workload, rep: int, tok, timeout: float) -> dict:
     load = os.getloadavg()[0]
-    front0, kids0 = s.cpu()
+    front0, kids0, client0 = *s.cpu(), time.process_time()
     m = run_bench(bench_argv(s.url, w, timeout), tok)
-    front1, kids1 = s.cpu()
+    front1, kids1, client1 = *s.cpu(), time.process_time()
     toks = max(1, m["total_output_tokens"])
     row = {"server": s.label, "workload": w.name, "rep": rep, "load_1min": load}
     row |= {k: m.get(k) for k in ("completed", "failed", "output_throughput", "mean_ttft_ms", "median_tpot_ms",
                                   "total_output_tokens", "prefix_cache_hit_rate")}  # fmt: skip
     row["cpu_ms_per_token"] = 1000 * (front1 - front0 + kids1 - kids0) / toks
     row["front_cpu_ms_per_token"] = 1000 * (front1 - front0) / toks
+    row["client_cpu_ms_per_token"] = 1000 * (client1 - client0) / toks  # the benchmark client, this process
     print(f"   rep {rep} {w.name:14s} {s.label:15s} {m['output_throughput']:7.1f} tok/s  TTFT "
           f"{m.get('mean_ttft_ms') or 0:7.0f} ms  load {load:.2f}", flush=True)  # fmt: skip
     return row
@@ -210,7 +211,7 @@ def collect(a: argparse.Namespace) -> dict:
             warm_up(s.url)
             print(f"== {s.label} ready in {time.monotonic() - t0:.0f} s", flush=True)
         for rep in range(a.reps):
-            wls = workloads(a.quick, rep, logdir)
+            wls = [w for w in workloads(a.quick, rep, logdir) if not a.only or w.name in a.only.split(",")]
             data["workloads"] = [asdict(w) for w in wls]
             for i, w in enumerate(wls):
                 data["runs"] += [one_run(s, w, rep, tok, a.timeout) for s in in_turn(srv, rep, i)]
@@ -286,16 +287,20 @@ def headline(data: dict) -> list[str]:
 
 def cpu_table(data: dict) -> list[str]:
     lines = [
-        "| workload | Kiln CPU ms / output token (front) | llama.cpp CPU ms / output token |",
-        "|---|---|---|",
+        "| workload | Kiln CPU ms / output token (front) | llama.cpp CPU ms / output token | the client's, "
+        "against Kiln / llama.cpp |",
+        "|---|---|---|---|",
     ]
     for w in data["workloads"]:
         k = figures(data, w["name"], "Kiln", "cpu_ms_per_token")
         f = figures(data, w["name"], "Kiln", "front_cpu_ms_per_token")
         ll = figures(data, w["name"], LLAMA, "cpu_ms_per_token")
+        ck = figures(data, w["name"], "Kiln", "client_cpu_ms_per_token")
+        cl = figures(data, w["name"], LLAMA, "client_cpu_ms_per_token")
+        client = f"{statistics.median(ck):.2f} / {statistics.median(cl):.2f}" if ck and cl else "n/a"
         if k and ll:
             med = statistics.median
-            lines.append(f"| {w['name']} | {med(k):.1f} ({med(f):.2f}) | {med(ll):.1f} |")
+            lines.append(f"| {w['name']} | {med(k):.1f} ({med(f):.2f}) | {med(ll):.1f} | {client} |")
     return lines
 
 
@@ -356,7 +361,8 @@ def write_report(data: dict, md: Path, img: Path) -> None:
         "## CPU per output token (median over repetitions)",
         "",
         "Each server's process tree, user + system seconds over the run, divided by its output tokens; for Kiln "
-        "the front's own share (HTTP, tokenizer, detokenizer, streaming) in parentheses.",
+        "the front's own share (HTTP, prompt tokenization, streaming; the engine detokenizes) in parentheses; "
+        "the last column is the benchmark client's, which shares the host's cores with the server under test.",
         "",
         *cpu_table(data),
         "",
@@ -389,6 +395,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a short smoke run (few short requests)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every workload on both servers")
+    p.add_argument("--only", default="", help="comma-separated workload names (default: all)")
     p.add_argument("--kiln-arg", action="append", default=[], help="a `kiln serve` argument (default: none)")
     p.add_argument("--model-path", default=None, help="GGUF to serve (default: Kiln's default model)")
     p.add_argument("--results", type=Path, default=RESULTS, help="raw results JSON (written, or read)")
