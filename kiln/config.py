@@ -450,6 +450,12 @@ class ServerArgs:
     )
     cuda_graph_bs_prefill: tuple[int, ...] | None = _f(None, "prefill token counts to capture")
     disable_cuda_graph: bool = _f(False, "run every step eagerly: no graphs (CUDA) or compiled steps (CPU)")
+    enable_torch_compile: bool = _f(
+        False,
+        "compile the decode steps with torch.compile: on the CPU those up to --torch-compile-max-bs, unless "
+        "--cuda-graph-max-bs or --cuda-graph-bs says which; on CUDA Kiln captures CUDA graphs either way",
+    )
+    torch_compile_max_bs: int = _f(32, "largest decode batch --enable-torch-compile compiles")
     disable_overlap_schedule: bool = _f(
         False, "schedule each decode step after the last one's tokens are in, not while the device runs it"
     )
@@ -506,6 +512,8 @@ class ServerArgs:
         ):
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise ValueError(f"{flag} {list(sizes)}: sizes must be >= 1")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError(f"--torch-compile-max-bs {self.torch_compile_max_bs} must be >= 1")
         check_mem_fraction_static(self.mem_fraction_static)
         check_counts(
             max_total_tokens=self.max_total_tokens,
@@ -563,6 +571,14 @@ class ServerArgs:
         if self.max_request_bytes is not None:
             return self.max_request_bytes
         return max(4 << 20, 128 * context_len)
+
+    def with_torch_compile(self, device: str) -> ServerArgs:
+        """SGLang's --enable-torch-compile on the CPU: decode steps compiled up to --torch-compile-max-bs, as
+        --cuda-graph-max-bs asks, where no capture flag of Kiln's decides already."""
+        explicit = self.cuda_graph_max_bs is not None or self.cuda_graph_bs or self.disable_cuda_graph
+        if not self.enable_torch_compile or device != "cpu" or explicit:
+            return self
+        return dataclasses.replace(self, cuda_graph_max_bs=self.torch_compile_max_bs)
 
     def with_defaults(self) -> ServerArgs:
         """Fill the model path with the default model when none was given, and turn a Hugging Face model id

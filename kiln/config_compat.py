@@ -142,11 +142,9 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
         agreeing=("pytorch",),
     ),
     *_group(
-        "Kiln does not torch.compile the model on CUDA: it captures CUDA graphs (--cuda-graph-max-bs); on "
-        "the CPU it compiles its steps only when asked (--cuda-graph-max-bs, --cuda-graph-bs and their -prefill "
-        "forms)",
-        switches="--enable-torch-compile --enable-torch-compile-debug-mode",
-        values="--torch-compile-max-bs",
+        "Kiln has no torch.compile debug mode: --enable-torch-compile compiles the CPU's decode steps, and "
+        "TORCH_LOGS is torch's own switch for what the compiler says",
+        switches="--enable-torch-compile-debug-mode",
     ),
     *_group(
         "Kiln's request log has SGLang's levels (--log-requests-level) and no other formats or targets",
@@ -638,7 +636,8 @@ SGLANG_NATIVE_FLAGS: tuple[str, ...] = tuple(
     "--cuda-graph-max-bs-prefill --cuda-graph-bs-decode --cuda-graph-bs-prefill "
     "--disable-prefill-cuda-graph --ep-size --expert-parallel-size --ep --enable-hierarchical-cache "
     "--enable-hicache --hicache-ratio --hicache-size --hicache-write-policy --hicache-storage-backend "
-    "--reasoning-parser --tool-call-parser --sampling-defaults --disable-cuda-graph --mamba-full-memory-ratio "
+    "--reasoning-parser --tool-call-parser --sampling-defaults --disable-cuda-graph --enable-torch-compile "
+    "--torch-compile-max-bs --mamba-full-memory-ratio "
     "--max-mamba-cache-size --mamba-track-interval --quantization --speculative-algorithm "
     "--speculative-draft-model-path --speculative-draft-model --speculative-num-steps "
     "--speculative-eagle-topk --speculative-num-draft-tokens --attention-backend --load-format "

@@ -49,6 +49,28 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> ServerArgs:
     return ServerArgs.from_cli(parser.parse_args(argv))
 
 
+@pytest.mark.unit
+def test_enable_torch_compile_compiles_the_cpu_decode_steps_up_to_its_max_bs(parser):
+    """SGLang's --enable-torch-compile selects the CPU's compiled decode steps (sizes up to --torch-compile-max-bs,
+    SGLang's default 32), for the engine (the resolve path) and for the startup prediction alike; a capture flag
+    of Kiln's still decides, and on CUDA Kiln captures CUDA graphs whichever is given."""
+    from kiln.server.startup_prediction import capture_shapes
+
+    on = parse(parser, ["--enable-torch-compile"])
+    assert on.with_torch_compile("cpu").cuda_graph_max_bs == 32
+    assert on.with_torch_compile("cuda") == on and parse(parser, []).with_torch_compile("cpu") == parse(
+        parser, []
+    )
+    four = parse(parser, ["--enable-torch-compile", "--torch-compile-max-bs", "4"])
+    assert capture_shapes(four, "cpu") == ("decode/1", "decode/2", "decode/4")
+    assert capture_shapes(parse(parser, ["--torch-compile-max-bs", "4"]), "cpu") == ()  # without the switch
+    for kiln_says in (["--cuda-graph-max-bs", "8"], ["--cuda-graph-bs", "2"], ["--disable-cuda-graph"]):
+        args = parse(parser, ["--enable-torch-compile", *kiln_says])
+        assert args.with_torch_compile("cpu") == args, kiln_says
+    with pytest.raises(ValueError, match="--torch-compile-max-bs 0 must be >= 1"):
+        parse(parser, ["--torch-compile-max-bs", "0"])
+
+
 def test_a_launch_line_of_twenty_sglang_flags(parser):
     args = parse(parser, LAUNCH_LINE)
     assert ServerArgs.from_cli(cli.build_parser().parse_args(["serve", *LAUNCH_LINE])) == args
@@ -60,7 +82,6 @@ def test_a_launch_line_of_twenty_sglang_flags(parser):
         ("--trust-remote-code",),
         ("--enable-metrics",),
         ("--sampling-backend", "pytorch"),
-        ("--enable-torch-compile",),
         (
             "--attention-backend",
             "fa3",
@@ -70,7 +91,7 @@ def test_a_launch_line_of_twenty_sglang_flags(parser):
     assert args.load_format == "auto"  # a flag Kiln implements
     assert args.disable_overlap_schedule
     messages = config_compat.foreign_flag_messages(args.foreign_flags)
-    assert len(messages) == 5
+    assert len(messages) == 4
     assert args.log_requests_level == 1  # SGLang's flag, Kiln's own
     warned = [line.split(":")[0] for level, line in messages if level == logging.WARNING]
     noted = [line.split(":")[0] for level, line in messages if level == logging.INFO]
@@ -78,9 +99,9 @@ def test_a_launch_line_of_twenty_sglang_flags(parser):
     # information, not a warning
     assert warned == [
         "SGLang flag --trust-remote-code",
-        "SGLang flag --enable-torch-compile",
         "SGLang flag --attention-backend fa3",
     ]
+    assert args.enable_torch_compile and args.cuda_graph_max_bs == 8  # Kiln's flag; the explicit size decides
     assert noted == [
         "SGLang flag --enable-metrics",
         "SGLang flag --sampling-backend pytorch",
@@ -274,7 +295,7 @@ def sglang_server(hub_cache, tmp_path_factory):
         "--enable-metrics --dtype float --context-length 2k --max-total-tokens 4k --max-running-requests 8 "
         "--chunked-prefill-size 512 --attention-backend fa3 --sampling-backend pytorch "
         "--disable-overlap-schedule --log-requests-level 1 --load-format auto --enable-torch-compile "
-        "--schedule-policy lpm --served-model-name default --skip-server-warmup"
+        "--torch-compile-max-bs 1 --schedule-policy lpm --served-model-name default --skip-server-warmup"
     ).split()
     server = ServerProcess(line, log, env={"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"})
     try:
@@ -297,7 +318,8 @@ def test_kiln_serves_an_sglang_launch_line(sglang_server):
         "--trust-remote-code",
         "--enable-metrics",
         "--attention-backend fa3",
-        "--enable-torch-compile",
     ]:
         assert log.count(f"SGLang flag {flag}:") == 1, log[-3000:]
+    # --enable-torch-compile is Kiln's: the CPU's decode step compiled, up to --torch-compile-max-bs
+    assert "SGLang flag --enable-torch-compile" not in log and "Compiled decode bs=1 " in log, log[-3000:]
     assert httpx.get(f"{sglang_server.url}/metrics", timeout=10).status_code == 200

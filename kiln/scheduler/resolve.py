@@ -146,7 +146,7 @@ def check(args: ServerArgs, target: Platform, serving: bool = False) -> Checked:
     if refusal:
         raise StartupRefused(refusal)
     try:
-        args = resolve_lora(args, target.device)
+        args = resolve_lora(args, target.device).with_torch_compile(target.device)
         spec = resolve_speculative(args, model_config.architecture)
         dtype = model.serving_dtype(target.device, args.dtype)
     except ValueError as e:

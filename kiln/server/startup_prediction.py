@@ -211,6 +211,7 @@ def capture_shapes(args: ServerArgs, device: str) -> tuple[str, ...]:
     without --cuda-graph-max-bs, SGLang's mid-size default (the ledger's own pick needs the GPU's memory)."""
     if args.disable_cuda_graph or args.is_embedding:
         return ()
+    args = args.with_torch_compile(device)
     if args.cuda_graph_bs:
         decode = sorted(set(args.cuda_graph_bs))
     else:
