@@ -209,9 +209,8 @@ class ServerProcess:
         self.log_path = log_path
         argv = ["serve", "--port", str(self.port), *args]
         self.log = open(log_path, "w")
-        read_at_call = all(
-            k.startswith(("KILN_", "SGLANG_")) for k in env or {}
-        )  # kiln.core.envs reads these
+        # kiln.core.envs reads KILN_* and SGLANG_* when asked, so a fork of the pre-imported server sees them
+        read_at_call = all(k.startswith(("KILN_", "SGLANG_")) for k in env or {})
         if read_at_call and os.environ.get("KILN_TEST_FORK_SERVERS", "1") == "1":
             layers.starting_a_server()
             self.proc = zygote.ForkedServer(argv, str(log_path), {**os.environ, **(env or {})})

@@ -153,9 +153,8 @@ def test_plan_of_a_model_id_predicts_its_download_until_it_is_cached(
     assert code == 0, err
     again = _predicted(out)
     assert list(again)[0] == "launching" and "downloading" not in again, out
-    assert again["loading_weights"].startswith(
-        f"{human(size)} on disk, read at "
-    )  # now there is a file to probe
+    # now there is a file to probe
+    assert again["loading_weights"].startswith(f"{human(size)} on disk, read at ")
     assert sp.facts_for(args, "cpu", ()).weight_bytes == size
 
     # a cache without the repo's listing (an older huggingface_hub's): the weights on disk, as for a local path

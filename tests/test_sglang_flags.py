@@ -56,11 +56,9 @@ def test_enable_torch_compile_compiles_the_cpu_decode_steps_up_to_its_max_bs(par
     of Kiln's still decides, and on CUDA Kiln captures CUDA graphs whichever is given."""
     from kiln.server.startup_prediction import capture_shapes
 
-    on = parse(parser, ["--enable-torch-compile"])
+    on, off = parse(parser, ["--enable-torch-compile"]), parse(parser, [])
     assert on.with_torch_compile("cpu").cuda_graph_max_bs == 32
-    assert on.with_torch_compile("cuda") == on and parse(parser, []).with_torch_compile("cpu") == parse(
-        parser, []
-    )
+    assert on.with_torch_compile("cuda") == on and off.with_torch_compile("cpu") == off
     four = parse(parser, ["--enable-torch-compile", "--torch-compile-max-bs", "4"])
     assert capture_shapes(four, "cpu") == ("decode/1", "decode/2", "decode/4")
     assert capture_shapes(parse(parser, ["--torch-compile-max-bs", "4"]), "cpu") == ()  # without the switch
